@@ -1,0 +1,1 @@
+"""The one-time conversion: raw photos → WebDataset shards + dataset.json + rejected.jsonl + previews."""

@@ -1,0 +1,151 @@
+"""Open, clean, downsample and re-encode one image. Pure functions: the parallel driver calls `process`.
+
+Every failure becomes a `Rejected(reason, detail)`, never an exception, so one bad photo can't stop a
+conversion. The reasons are a closed vocabulary (`REASONS`) that the summary and the tests count on.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+# Closed list of rejection reasons; anything recorded in rejected.jsonl is one of these.
+REASONS = (
+    "empty",  # zero bytes
+    "not-an-image",  # no image format recognised
+    "truncated",  # the file ends before the image data does
+    "corrupt",  # decoder error inside the data
+    "too-large",  # more pixels than --max-pixels (decompression-bomb guard)
+    "unreadable",  # OS error reading the file (permissions, I/O)
+    "missing",  # a list row names a file that does not exist
+    "outside-root",  # a list row's path escapes the list's folder
+    "bad-row",  # a list row without a path and a label
+    "duplicate",  # same bytes as another file of the same class: one copy is kept
+    "label-conflict",  # same bytes under two different labels: all copies rejected
+)
+
+
+@dataclass(frozen=True)
+class ImageSettings:
+    short_side: int = 320
+    quality: int = 90
+    max_pixels: int = 200_000_000
+    # DCT-scale JPEGs down to at least this multiple of the target, then Lanczos. Measured on demo photos
+    # (3264x2448 -> 427x320): gap 1 is 35 % faster than gap 2 and within 0.1 dB PSNR of a full decode.
+    draft_gap: float = 1.0
+
+
+@dataclass(frozen=True)
+class Encoded:
+    jpeg: bytes
+    size: tuple[int, int]  # stored (w, h)
+    orig_size: tuple[int, int]  # (w, h) as the photo is meant to be seen (after EXIF rotation)
+    pixel_sum: tuple[float, float, float]  # per channel, 0..1 scale, for the data set's mean/std
+    pixel_sumsq: tuple[float, float, float]
+
+
+@dataclass(frozen=True)
+class Rejected:
+    reason: str
+    detail: str
+
+
+def target_size(w: int, h: int, short_side: int) -> tuple[int, int]:
+    """Size with the shorter side `short_side`, aspect kept; never upscaled."""
+    s = min(w, h)
+    if s <= short_side:
+        return w, h
+    scale = short_side / s
+    return max(1, round(w * scale)), max(1, round(h * scale))
+
+
+def to_rgb(im: Image.Image) -> Image.Image:
+    """Any Pillow mode to RGB. Transparency is flattened onto white, 16-bit/float data is scaled, not clipped."""
+    if im.mode == "RGB":
+        return im
+    if im.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
+        a = np.asarray(im, dtype=np.float32)
+        # 16-bit photos span 0..65535; a float or 32-bit image spanning only 0..255 is already 8-bit.
+        scale = 255.0 / 65535.0 if a.max(initial=0) > 255 else 1.0
+        return Image.fromarray(np.clip(a * scale + 0.5, 0, 255).astype(np.uint8), "L").convert("RGB")
+    if im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info:
+        rgba = im.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return im.convert("RGB")
+
+
+def _open_checked(data: bytes, settings: ImageSettings) -> Image.Image | Rejected:
+    if not data:
+        return Rejected("empty", "0 bytes")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            im = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        return Rejected("not-an-image", "no known image format")
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        return Rejected("too-large", str(e))
+    w, h = im.size
+    if w * h > settings.max_pixels:
+        return Rejected("too-large", f"{w}x{h} = {w * h} pixels > --max-pixels {settings.max_pixels}")
+    return im
+
+
+def _classify_decode_error(e: Exception) -> Rejected:
+    msg = str(e)
+    low = msg.lower()
+    if "truncated" in low or "premature end" in low or "not enough data" in low:
+        return Rejected("truncated", msg)
+    return Rejected("corrupt", f"{type(e).__name__}: {msg}")
+
+
+def _decode(im: Image.Image, settings: ImageSettings) -> Image.Image:
+    """Decode (with DCT scaling for JPEG), apply EXIF orientation, convert to RGB, resize."""
+    w, h = im.size
+    tw, th = target_size(w, h, settings.short_side)
+    if im.format == "JPEG" and (tw, th) != (w, h):
+        gap = settings.draft_gap
+        # draft() picks the largest 1/2, 1/4, 1/8 scale that keeps at least the requested size.
+        im.draft(im.mode if im.mode in ("RGB", "L") else None, (int(tw * gap), int(th * gap)))
+    im.seek(0)  # first frame of GIF/TIFF/MPO
+    im.load()
+    im = ImageOps.exif_transpose(im)
+    im = to_rgb(im)
+    # Orientation may have swapped the sides; target_size is symmetric in that respect.
+    out = target_size(*im.size, settings.short_side)
+    if out != im.size:
+        im = im.resize(out, Image.Resampling.LANCZOS, reducing_gap=3.0)
+    return im
+
+
+def process(data: bytes, settings: ImageSettings) -> Encoded | Rejected:
+    """Bytes of any image file → a clean RGB JPEG and its statistics, or the reason it was refused."""
+    opened = _open_checked(data, settings)
+    if isinstance(opened, Rejected):
+        return opened
+    orig = opened.size
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # EXIF/ICC chatter on real camera files is not actionable
+            if opened.getexif().get(0x0112) in (5, 6, 7, 8):  # orientations that turn the photo by 90°
+                orig = orig[::-1]
+            im = _decode(opened, settings)
+    except (OSError, SyntaxError, ValueError, IndexError, EOFError) as e:
+        return _classify_decode_error(e)
+    except Image.DecompressionBombError as e:
+        return Rejected("too-large", str(e))
+    buf = io.BytesIO()
+    im.save(buf, "JPEG", quality=settings.quality, optimize=False, subsampling="4:2:0")
+    arr = np.asarray(im, dtype=np.float32).reshape(-1, 3) / 255.0
+    return Encoded(
+        jpeg=buf.getvalue(),
+        size=im.size,
+        orig_size=orig,
+        pixel_sum=tuple(float(x) for x in arr.sum(0, dtype=np.float64)),
+        pixel_sumsq=tuple(float(x) for x in np.square(arr).sum(0, dtype=np.float64)),
+    )

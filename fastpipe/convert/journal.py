@@ -1,0 +1,92 @@
+"""The progress journal that makes an interrupted conversion resumable.
+
+One JSON line per finished shard, appended only after the shard's rename: a rerun keeps every shard whose
+entry and file agree (size and sha256) and continues from the first sample after it. Because the plan and the
+encoder are deterministic, the resumed output is byte-identical to an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastpipe.convert.writer import sha256_file
+from fastpipe.manifest import ShardInfo, Stats
+
+
+@dataclass
+class SplitProgress:
+    """What the finished shards of one split hold, and where the next shard starts."""
+
+    shards: list[ShardInfo] = field(default_factory=list)
+    end: int = 0  # index into this part's sample list of the first sample not yet in a shard
+    stats: Stats = field(default_factory=Stats.zero)
+    counts: list[int] = field(default_factory=list)
+    rejected: list[dict] = field(default_factory=list)
+    done: bool = False
+
+    def add(self, entry: dict) -> None:
+        if entry.get("shard"):
+            self.shards.append(ShardInfo(**entry["shard"]))
+        self.end = entry["end"]
+        st = entry["stats"]
+        self.stats = self.stats + Stats(st["pixels"], tuple(st["sum"]), tuple(st["sumsq"]))
+        self.counts = [a + b for a, b in zip(self.counts, entry["counts"])] if self.counts else entry["counts"]
+        self.rejected += entry["rejected"]
+        self.done = entry.get("done", False)
+
+
+class Journal:
+    def __init__(self, path: Path, fingerprint: str):
+        self.path, self.fingerprint = Path(path), fingerprint
+
+    def read_fingerprint(self) -> str | None:
+        try:
+            with open(self.path) as f:
+                return json.loads(f.readline()).get("fingerprint")
+        except (OSError, ValueError):
+            return None
+
+    def load(self, folder: Path) -> dict[str, SplitProgress]:
+        """Valid progress per split; an entry whose shard is missing or altered ends that split's progress."""
+        progress: dict[str, SplitProgress] = {}
+        if self.read_fingerprint() != self.fingerprint:
+            self.path.write_text(json.dumps({"fingerprint": self.fingerprint}) + "\n")
+            return progress
+        broken: set[str] = set()
+        kept = [json.dumps({"fingerprint": self.fingerprint})]
+        for line in self.path.read_text().splitlines()[1:]:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                break  # a line cut short by a kill: everything after it is redone
+            split = entry["split"]
+            if split in broken or not _shard_intact(folder, entry.get("shard")):
+                broken.add(split)
+                continue
+            progress.setdefault(split, SplitProgress()).add(entry)
+            kept.append(line)
+        # Rewrite without the dropped lines, so that new entries never follow a half-written one.
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("\n".join(kept) + "\n")
+        os.replace(tmp, self.path)
+        return progress
+
+    def append(self, entry: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def _shard_intact(folder: Path, shard: dict | None) -> bool:
+    if not shard:
+        return True
+    tar, idx = folder / shard["path"], folder / shard["index"]
+    return (tar.is_file() and idx.is_file() and tar.stat().st_size == shard["bytes"]
+            and sha256_file(tar) == shard["sha256"])

@@ -1,0 +1,116 @@
+"""From discovered files to the ordered sample list of each split: hash, deduplicate, split, shuffle.
+
+Everything here is deterministic for a seed, so that a rerun, a resumed run and every `--part` of a
+cluster job compute the same plan independently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+from multiprocessing.pool import Pool
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from fastpipe.convert.sources import Item, Rejection, Source
+
+
+@dataclass(frozen=True)
+class Sample:
+    pos: int  # position in its split's shuffled order: the sample's key and its place in the shards
+    path: str  # relative to the source root
+    label: int
+
+
+def _hash_one(path: str) -> tuple[str, int] | str:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        return f"{type(e).__name__}: {e.strerror or e}"
+    return hashlib.sha256(data).hexdigest(), len(data)
+
+
+def hash_files(source: Source, pool: Pool | None) -> tuple[dict[str, str], list[Rejection]]:
+    """sha256 of every file (one read each; the duplicate check needs it before any decoding)."""
+    paths = [str(source.root / i.path) for i in source.items]
+    results = pool.imap(_hash_one, paths, chunksize=8) if pool else map(_hash_one, paths)
+    hashes, rejected = {}, []
+    for item, r in tqdm(zip(source.items, results), total=len(paths), desc="hashing", unit="file",
+                        leave=False, mininterval=0.5):
+        if isinstance(r, str):
+            rejected.append(Rejection(item.path, "unreadable", r))
+        elif r[1] == 0:
+            rejected.append(Rejection(item.path, "empty", "0 bytes"))
+        else:
+            hashes[item.path] = r[0]
+    return hashes, rejected
+
+
+def deduplicate(items: list[Item], hashes: dict[str, str]) -> tuple[list[Item], list[Rejection]]:
+    """One copy per (bytes, label); bytes seen under two labels are all refused as a label conflict."""
+    groups: dict[str, list[Item]] = defaultdict(list)
+    for item in items:
+        if item.path in hashes:
+            groups[hashes[item.path]].append(item)
+    keep, rejected = [], []
+    for group in groups.values():
+        group.sort(key=lambda i: i.path)
+        labels = sorted({i.label for i in group})
+        if len(labels) > 1:
+            others = ", ".join(f"{i.path} ({i.label})" for i in group)
+            rejected += [Rejection(i.path, "label-conflict", f"same bytes as: {others}") for i in group]
+            continue
+        keep.append(group[0])
+        rejected += [Rejection(i.path, "duplicate", f"same bytes as {group[0].path}") for i in group[1:]]
+    keep.sort(key=lambda i: i.path)
+    return keep, rejected
+
+
+def split_items(items: list[Item], val_fraction: float, seed: int) -> dict[str, list[Item]]:
+    """Source-given split if there is one, else stratified per class: round(n * fraction) to val,
+    at least one when a class has two or more files and the fraction is above zero."""
+    if any(i.split for i in items):
+        return {s: [i for i in items if i.split == s] for s in ("train", "val")}
+    by_class: dict[str, list[Item]] = defaultdict(list)
+    for i in items:
+        by_class[i.label].append(i)
+    rng = np.random.default_rng(seed)
+    out: dict[str, list[Item]] = {"train": [], "val": []}
+    for label in sorted(by_class):
+        group = by_class[label]
+        n_val = round(len(group) * val_fraction)
+        if val_fraction > 0 and len(group) >= 2:
+            n_val = min(max(n_val, 1), len(group) - 1)
+        order = rng.permutation(len(group))
+        out["val"] += [group[j] for j in order[:n_val]]
+        out["train"] += [group[j] for j in order[n_val:]]
+    return out
+
+
+def order_split(items: list[Item], classes: tuple[str, ...], seed: int, salt: int) -> list[Sample]:
+    """Global seeded shuffle, so that every shard mixes classes."""
+    index = {c: k for k, c in enumerate(classes)}
+    perm = np.random.default_rng([seed, salt]).permutation(len(items))
+    return [Sample(pos, items[j].path, index[items[j].label]) for pos, j in enumerate(perm)]
+
+
+def part_range(n: int, part: int, parts: int) -> range:
+    """Contiguous slice `part` of `parts` (sizes differ by at most one)."""
+    return range(n * part // parts, n * (part + 1) // parts)
+
+
+def plan_fingerprint(settings: dict, splits: dict[str, list[Sample]], hashes: dict[str, str]) -> str:
+    """Changes when a setting, the file list, a label or a file's bytes change."""
+    h = hashlib.sha256(repr(sorted(settings.items())).encode())
+    for name in sorted(splits):
+        for s in splits[name]:
+            h.update(f"{name}\0{s.pos}\0{s.path}\0{s.label}\0{hashes[s.path]}\n".encode())
+    return h.hexdigest()
+
+
+def default_workers() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

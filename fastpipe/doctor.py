@@ -1,0 +1,168 @@
+"""`fastpipe doctor`: the "why can't PyTorch see my GPU" checklist as a command.
+
+Each check prints OK / WARN / FAIL, what it found, and the fix. Exit code 1 only when something is broken
+(a GPU this machine has that torch can't use, a package that fails to import); a CPU-only machine is a
+warning, not a failure.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Check:
+    status: str  # OK | WARN | FAIL
+    name: str
+    found: str
+    fix: str = ""
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+
+
+def nvidia_smi() -> list[str] | None:
+    """Driver version and GPU names from nvidia-smi, or None when there is no NVIDIA driver."""
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=driver_version,name,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else None
+
+
+def check_python() -> Check:
+    v = sys.version_info
+    ok = v >= (3, 10)
+    return Check("OK" if ok else "FAIL", "python", f"{platform.python_version()} ({sys.executable})",
+                 "" if ok else "fastpipe needs Python >= 3.10")
+
+
+def check_torch(gpus: list[str] | None) -> list[Check]:
+    try:
+        import torch
+    except Exception as e:
+        return [Check("FAIL", "torch", f"import failed: {e}", "pip install torch torchvision")]
+    checks = []
+    cuda_build = torch.version.cuda
+    if cuda_build is None:
+        status = "FAIL" if gpus else "WARN"
+        checks.append(Check(status, "torch build", f"{torch.__version__}, CPU-only build",
+                            "torch is a CPU build: reinstall a CUDA wheel matching your driver "
+                            "(pytorch.org's install selector gives the pip command)" if gpus else
+                            "fine without a GPU; on a GPU machine reinstall a CUDA wheel"))
+    else:
+        checks.append(Check("OK", "torch build", f"{torch.__version__}, CUDA {cuda_build}"))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    checks.append(Check("WARN" if visible in ("", "-1") else "OK", "CUDA_VISIBLE_DEVICES",
+                        "unset" if visible is None else repr(visible),
+                        "an empty or -1 value hides every GPU: unset it" if visible in ("", "-1") else ""))
+    if cuda_build is None:
+        return checks
+    available = torch.cuda.is_available()
+    if not available:
+        fix = ("no NVIDIA driver found (nvidia-smi missing): install the driver, or run on a GPU machine"
+               if not gpus else f"the driver ({gpus[0].split(',')[0]}) may be older than CUDA {cuda_build} "
+               "needs: update the driver or install a torch wheel for an older CUDA")
+        checks.append(Check("FAIL" if gpus else "WARN", "CUDA available", "no", fix))
+        return checks
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        free, total = torch.cuda.mem_get_info(i)
+        checks.append(Check("OK", f"cuda:{i}", f"{p.name}, compute {p.major}.{p.minor}, "
+                            f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB"))
+    return checks
+
+
+def check_driver(gpus: list[str] | None) -> Check:
+    if gpus is None:
+        return Check("WARN", "NVIDIA driver", "nvidia-smi not found", "none needed on a CPU-only machine")
+    return Check("OK", "NVIDIA driver", "; ".join(gpus))
+
+
+def check_packages() -> list[Check]:
+    checks = []
+    for name in ("torchvision", "webdataset", "numpy"):
+        try:
+            mod = __import__(name)
+            checks.append(Check("OK", name, getattr(mod, "__version__", "?")))
+        except Exception as e:
+            checks.append(Check("FAIL", name, f"import failed: {e}", f"pip install {name}"))
+    codec = _dist_version("torchcodec")
+    checks.append(Check("OK", "torchcodec", codec or "not installed (torchvision.io decodes instead)"))
+    return checks
+
+
+def check_dali() -> Check:
+    dists = {d: _dist_version(d) for d in ("nvidia-dali-cuda120", "nvidia-dali-cuda130", "nvidia-dali-cuda110")}
+    found = {d: v for d, v in dists.items() if v}
+    if not found:
+        return Check("WARN", "DALI", "not installed", "pip install 'fastpipe[dali]' (CUDA 12) or "
+                     "'fastpipe[dali-cu13]' (CUDA 13) for the dali backend")
+    dist, version = next(iter(found.items()))
+    dali_major = dist.rsplit("cuda", 1)[1][:2].lstrip("0")
+    try:
+        import torch
+
+        torch_major = (torch.version.cuda or "").split(".")[0]
+    except Exception:
+        torch_major = ""
+    if torch_major and torch_major != dali_major[:len(torch_major)]:
+        return Check("WARN", "DALI", f"{dist} {version} (CUDA {dali_major}) but torch uses CUDA {torch_major}",
+                     f"install nvidia-dali-cuda{torch_major}0 so both share one CUDA runtime")
+    return Check("OK", "DALI", f"{dist} {version}")
+
+
+def check_pillow() -> list[Check]:
+    import PIL
+    from PIL import features
+
+    simd = _dist_version("Pillow-SIMD") or _dist_version("pillow-simd")
+    kind = f"pillow-simd {simd}" if simd else f"Pillow {PIL.__version__}"
+    turbo = features.check_feature("libjpeg_turbo")
+    checks = [Check("OK" if simd else "WARN", "Pillow", kind,
+                    "" if simd else "optional: scripts/setup.sh --pillow-simd resizes 4-8x faster"),
+              Check("OK" if turbo else "WARN", "libjpeg-turbo", "yes" if turbo else "no",
+                    "" if turbo else "JPEG decode is 2-3x slower without libjpeg-turbo: rebuild Pillow against it")]
+    missing = [f for f in ("webp", "libtiff", "littlecms2") if not features.check(f)]
+    if missing:
+        checks.append(Check("WARN", "Pillow formats", f"missing {', '.join(missing)}",
+                            "photos in these formats will be rejected; rebuild with their -dev headers"))
+    return checks
+
+
+def check_cpu() -> Check:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    from fastpipe.loaders.workers import heuristic_workers
+
+    return Check("OK", "CPU cores", f"{cores} usable; suggested loader workers {heuristic_workers()} "
+                 "(num_workers=None measures the best count per data set)")
+
+
+def collect() -> list[Check]:
+    gpus = nvidia_smi()
+    return [check_python(), *check_torch(gpus), check_driver(gpus), *check_packages(), check_dali(),
+            *check_pillow(), check_cpu()]
+
+
+def run_doctor() -> int:
+    checks = collect()
+    width = max(len(c.name) for c in checks)
+    for c in checks:
+        print(f"[{c.status:4s}] {c.name:<{width}}  {c.found}" + (f"\n{'':{width + 9}}fix: {c.fix}" if c.fix else ""))
+    failed = [c for c in checks if c.status == "FAIL"]
+    print(f"\n{len(failed)} problem(s)" if failed else "\nno problems that stop fastpipe")
+    return 1 if failed else 0

@@ -1,0 +1,1 @@
+"""Interchangeable loaders behind one contract; see `make_loader`."""

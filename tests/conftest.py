@@ -1,0 +1,78 @@
+"""Tiny data sets made in tmp_path: the class is visible in the colour, so labels can be checked by eye."""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+# One hue per class: a loader that mixes up labels and images shows it in the mean colour.
+COLORS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220)}
+
+
+def has_dali() -> bool:
+    try:
+        import nvidia.dali  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    skip_dali = pytest.mark.skip(reason="needs NVIDIA DALI (pip install 'fastpipe[dali-cu13]')")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+        if "dali" in item.keywords and not has_dali():
+            item.add_marker(skip_dali)
+
+
+def photo(color, size=(96, 72), seed=0, fmt="JPEG", mode="RGB") -> bytes:
+    """A noisy single-colour image (noise so that JPEGs of different seeds differ in bytes)."""
+    rng = np.random.default_rng(seed)
+    a = np.clip(np.array(color, float) + rng.normal(0, 12, (size[1], size[0], 3)), 0, 255).astype(np.uint8)
+    im = Image.fromarray(a, "RGB")
+    if mode != "RGB":
+        im = im.convert(mode)
+    buf = io.BytesIO()
+    im.save(buf, fmt, **({"quality": 92} if fmt == "JPEG" else {}))
+    return buf.getvalue()
+
+
+def make_folder(root: Path, counts: dict[str, int], size=(96, 72), seed=0) -> Path:
+    """ImageFolder tree: root/<class>/img_XXX.jpg with counts[class] files."""
+    for k, (name, n) in enumerate(counts.items()):
+        d = root / name
+        d.mkdir(parents=True, exist_ok=True)
+        for i in range(n):
+            (d / f"img_{i:03d}.jpg").write_bytes(photo(COLORS[name], size, seed=seed * 10_000 + k * 1000 + i))
+    return root
+
+
+@pytest.fixture
+def folder(tmp_path) -> Path:
+    return make_folder(tmp_path / "src", {"red": 12, "green": 8, "blue": 4})
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory) -> Path:
+    """A converted data set shared by read-only tests: 3 classes, several small shards per split."""
+    from fastpipe.convert.driver import ShardConfig, shard
+
+    base = tmp_path_factory.mktemp("converted")
+    src = make_folder(base / "src", {"red": 40, "green": 30, "blue": 20}, size=(120, 90))
+    out = base / "out"
+    shard(ShardConfig(src, out, short_side=64, val_fraction=0.25, max_shard_size=64 * 1024, workers=1))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _quiet_env(monkeypatch):
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    monkeypatch.setenv("PYTHONHASHSEED", os.environ.get("PYTHONHASHSEED", "0"))

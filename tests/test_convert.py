@@ -1,0 +1,306 @@
+"""`fastpipe shard` end to end: sources, rejections, split, determinism, resume, parts, foreign shards."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import webdataset as wds
+from conftest import COLORS, make_folder, photo
+
+from fastpipe.convert.driver import ConvertError, ShardConfig, shard
+from fastpipe.convert.inspect import inspect
+from fastpipe.convert.writer import read_index
+from fastpipe.manifest import load
+
+
+def cfg(src, out, **kw) -> ShardConfig:
+    kw.setdefault("short_side", 48)
+    kw.setdefault("workers", 1)
+    return ShardConfig(Path(src), Path(out), **kw)
+
+
+def rejected(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "rejected.jsonl").read_text().splitlines()]
+
+
+def tree_bytes(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.glob("*.tar")) + sorted(out.glob("*.idx"))}
+
+
+def test_folder_conversion_writes_everything(folder, tmp_path):
+    out = tmp_path / "out"
+    summary = shard(cfg(folder, out, val_fraction=0.25))
+    m = load(out)
+    assert m.classes == ("blue", "green", "red")
+    assert summary.written == {"train": 18, "val": 6} and sum(summary.rejected.values()) == 0
+    assert m.splits["train"].class_counts == (3, 6, 9) and m.splits["val"].class_counts == (1, 2, 3)
+    # Per-channel mean of a red/green/blue set: red channel dominated by the 12 red images.
+    assert m.mean[0] > m.mean[2] and all(0 < s < 0.5 for s in m.std)
+    assert m.class_weights()[0] == pytest.approx(18 / (3 * 3))
+    assert sorted(p.name for p in (out / "previews").iterdir()) == ["blue.jpg", "green.jpg", "red.jpg"]
+    for sp in m.splits.values():
+        for s in sp.shards:
+            assert (out / s.path).is_file() and len(read_index(out / s.index)) == s.samples
+
+
+def test_shards_read_back_with_webdataset(converted):
+    m = load(converted)
+    ds = wds.WebDataset(m.shard_paths("train"), shardshuffle=False).decode("rgb8")
+    seen = 0
+    for sample in ds:
+        img, label, meta = sample["jpg"], int(sample["cls"]), sample["json"]
+        assert img.shape[2] == 3 and min(img.shape[:2]) == 64
+        assert int(np.frombuffer(sample["lbl"], "<i4")[0]) == label == meta["label"]
+        # The class is the dominant colour channel.
+        assert m.classes[label] == ["red", "green", "blue"][int(np.argmax(img.reshape(-1, 3).mean(0)))]
+        seen += 1
+    assert seen == m.splits["train"].samples
+
+
+def test_idx_matches_dalis_own_wds2idx(converted, tmp_path):
+    wds2idx = Path(sys.executable).with_name("wds2idx")
+    if not wds2idx.exists():
+        pytest.skip("DALI's wds2idx not installed")
+    m = load(converted)
+    shard0 = m.splits["train"].shards[0]
+    subprocess.run([str(wds2idx), str(converted / shard0.path), str(tmp_path / "x.idx")], check=True,
+                   capture_output=True)
+    assert (tmp_path / "x.idx").read_text() == (converted / shard0.index).read_text()
+
+
+@pytest.mark.dali
+def test_idx_files_are_accepted_by_dalis_reader(converted):
+    from nvidia.dali import fn, pipeline_def, types
+
+    m = load(converted)
+
+    @pipeline_def(batch_size=4, num_threads=1, device_id=None)
+    def pipe():
+        jpg, lbl = fn.readers.webdataset(paths=m.shard_paths("train"), index_paths=[
+            str(converted / s.index) for s in m.splits["train"].shards], ext=["jpg", "lbl"],
+            dtypes=[types.UINT8, types.INT32], name="r")
+        return fn.decoders.image(jpg, device="cpu"), lbl
+
+    p = pipe()
+    p.build()
+    assert p.reader_meta("r")["epoch_size"] == m.splits["train"].samples
+    images, labels = p.run()
+    assert len(labels.as_array()) == 4 and images.at(0).shape[2] == 3
+
+
+def test_every_rejection_reason_from_a_folder(tmp_path):
+    src = make_folder(tmp_path / "src", {"red": 3, "green": 3})
+    (src / "red" / "empty.jpg").write_bytes(b"")
+    (src / "red" / "notes.txt").write_text("hello")
+    (src / "red" / "cut.jpg").write_bytes(photo(COLORS["red"], (300, 200), seed=9)[:900])
+    (src / "red" / "dup.jpg").write_bytes((src / "red" / "img_000.jpg").read_bytes())
+    (src / "green" / "stolen.jpg").write_bytes((src / "red" / "img_001.jpg").read_bytes())
+    (src / "green" / "huge.png").write_bytes(photo(COLORS["green"], (400, 400), fmt="PNG"))
+    (src / "green" / "dangling.jpg").symlink_to(tmp_path / "nowhere.jpg")
+    (src / "green" / ".DS_Store").write_bytes(b"junk")
+    (src / ".hidden").mkdir()
+    (src / ".hidden" / "x.jpg").write_bytes(photo(COLORS["red"]))
+    out = tmp_path / "out"
+    summary = shard(cfg(src, out, max_pixels=100_000))
+    reasons = {r["path"]: r["reason"] for r in rejected(out)}
+    assert reasons == {
+        "red/empty.jpg": "empty", "red/notes.txt": "not-an-image", "red/cut.jpg": "truncated",
+        "red/img_000.jpg": "duplicate",  # dup.jpg sorts first and is kept
+        "red/img_001.jpg": "label-conflict", "green/stolen.jpg": "label-conflict",
+        "green/huge.png": "too-large", "green/dangling.jpg": "unreadable",
+    }
+    # Nothing lost: every discovered file is a sample or a rejection.
+    assert summary.discovered == 13 == sum(summary.written.values()) + len(reasons)
+
+
+def test_list_source_with_hostile_rows(tmp_path):
+    data = tmp_path / "data"
+    make_folder(data / "imgs", {"red": 3, "blue": 3})
+    (tmp_path / "secret.jpg").write_bytes(photo(COLORS["red"]))
+    (data / "imgs" / "a, b.jpg").write_bytes(photo(COLORS["blue"], seed=77))
+    rows = ["path,label", "imgs/red/img_000.jpg,red", "imgs/red/img_001.jpg,red", "imgs/red/img_002.jpg,red",
+            "imgs/blue/img_000.jpg,blue", f"{data}/imgs/blue/img_001.jpg,blue", '"imgs/a, b.jpg",blue',
+            "../secret.jpg,red", f"{tmp_path}/secret.jpg,red", "imgs/missing.jpg,red", "imgs/red/img_000.jpg",
+            ""]
+    (data / "list.csv").write_text("\n".join(rows) + "\n")
+    out = tmp_path / "out"
+    summary = shard(cfg(data / "list.csv", out, val_fraction=0))
+    assert summary.written["train"] == 6
+    got = sorted((r["path"], r["reason"]) for r in rejected(out))
+    assert got == sorted([("../secret.jpg", "outside-root"), (f"{tmp_path}/secret.jpg", "outside-root"),
+                          ("imgs/missing.jpg", "missing"), ("<line 10>", "bad-row")])
+
+
+def test_stratified_split_is_seeded(tmp_path):
+    src = make_folder(tmp_path / "src", {"red": 30, "green": 20, "blue": 10}, size=(40, 30))
+    a = shard(cfg(src, tmp_path / "a", val_fraction=0.2, seed=1))
+    assert a.written == {"train": 48, "val": 12}
+    assert load(tmp_path / "a").splits["val"].class_counts == (2, 4, 6)
+    shard(cfg(src, tmp_path / "b", val_fraction=0.2, seed=2))
+    shard(cfg(src, tmp_path / "c", val_fraction=0.2, seed=1))
+    paths = {k: sorted(json.loads(s["json"])["path"] for s in
+                       wds.WebDataset(load(tmp_path / k).shard_paths("val"), shardshuffle=False))
+             for k in "abc"}
+    assert paths["a"] == paths["c"] != paths["b"]
+
+
+def test_source_train_val_folders_are_kept(tmp_path):
+    make_folder(tmp_path / "src" / "train", {"red": 4, "blue": 3})
+    make_folder(tmp_path / "src" / "val", {"red": 2, "blue": 1}, seed=5)
+    shard(cfg(tmp_path / "src", tmp_path / "out", val_fraction=0.5))
+    m = load(tmp_path / "out")
+    assert m.splits["train"].class_counts == (3, 4) and m.splits["val"].class_counts == (1, 2)
+
+
+def test_shards_mix_classes_and_respect_the_size_limit(converted):
+    m = load(converted)
+    for s in m.splits["train"].shards:
+        assert s.bytes <= 64 * 1024
+        labels = {int(x["cls"]) for x in wds.WebDataset(str(converted / s.path), shardshuffle=False)}
+        assert len(labels) >= 2 or s.samples < 4
+
+
+def test_two_runs_give_identical_bytes_whatever_the_workers(folder, tmp_path):
+    shard(cfg(folder, tmp_path / "a", max_shard_size=64 * 1024, workers=1))
+    shard(cfg(folder, tmp_path / "b", max_shard_size=64 * 1024, workers=2))
+    a, b = tree_bytes(tmp_path / "a"), tree_bytes(tmp_path / "b")
+    assert len(a) > 2 and a == b
+    with tarfile.open(tmp_path / "a" / "train-000000.tar") as tf:
+        assert all(m.mtime == 0 and m.uid == 0 for m in tf.getmembers())
+
+
+def test_rerun_is_a_no_op_and_other_settings_need_overwrite(folder, tmp_path):
+    out = tmp_path / "out"
+    shard(cfg(folder, out))
+    again = shard(cfg(folder, out))
+    assert again.up_to_date and again.converted_now == 0
+    with pytest.raises(ConvertError, match="--overwrite"):
+        shard(cfg(folder, out, quality=70))
+    replaced = shard(cfg(folder, out, quality=70, overwrite=True))
+    assert replaced.converted_now == 24 and load(out).settings["quality"] == 70
+
+
+def test_killed_run_resumes_to_identical_bytes(tmp_path):
+    src = make_folder(tmp_path / "src", {"red": 50, "green": 50, "blue": 50}, size=(800, 600))
+    args = [str(src), "--short-side", "96", "--max-shard-size", "64KB", "--workers", "1"]
+    clean = tmp_path / "clean"
+    assert subprocess.run([sys.executable, "-m", "fastpipe", "shard", *args[:1], str(clean), *args[1:]],
+                          capture_output=True).returncode == 0
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "fastpipe", "shard", args[0], str(out), *args[1:]],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while len(list(out.glob("train-*.tar"))) < 2 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "dataset.json").exists(), "the run finished before it could be killed"
+    rerun = shard(cfg(src, out, short_side=96, max_shard_size=64 * 1024))
+    assert 0 < rerun.converted_now < 150
+    assert tree_bytes(out) == tree_bytes(clean)
+    assert not list(out.glob("*.tmp")) and not list(out.glob(".fastpipe-progress*"))
+
+
+def test_parts_then_merge_equal_one_run(tmp_path):
+    src = make_folder(tmp_path / "src", {"red": 10, "green": 7, "blue": 5})
+    out = tmp_path / "parts"
+    for i in range(3):
+        shard(cfg(src, out, parts=3, part=i, max_shard_size=64 * 1024))
+    assert not (out / "dataset.json").exists()
+    from fastpipe.convert.merge import merge_parts
+
+    merged = merge_parts(out)
+    single = tmp_path / "single"
+    shard(cfg(src, single, max_shard_size=64 * 1024))
+    one = load(single)
+    assert merged.splits["train"].class_counts == one.splits["train"].class_counts
+    assert merged.mean == pytest.approx(one.mean) and merged.std == pytest.approx(one.std)
+    keys = lambda m, sp: sorted(x["__key__"] for x in wds.WebDataset(m.shard_paths(sp), shardshuffle=False))  # noqa: E731
+    assert keys(load(out), "train") == keys(one, "train")
+
+
+def test_merge_refuses_missing_parts(tmp_path, folder):
+    from fastpipe.convert.merge import merge_parts
+    from fastpipe.manifest import ManifestError
+
+    shard(cfg(folder, tmp_path / "o", parts=2, part=1))
+    with pytest.raises(ManifestError, match=r"parts \[0\] of 2"):
+        merge_parts(tmp_path / "o")
+
+
+def test_index_adopts_webdataset_shardwriter_output(tmp_path):
+    out = tmp_path / "foreign"
+    out.mkdir()
+    with wds.ShardWriter(str(out / "part-%03d.tar"), maxcount=7) as sink:
+        for i in range(20):
+            label = i % 3
+            sink.write({"__key__": f"s{i:04d}", "jpg": photo(list(COLORS.values())[label], seed=i),
+                        "cls": str(label).encode()})
+    from fastpipe.convert.foreign import IndexConfig, index_shards
+
+    shards = sorted(out.glob("part-*.tar"))
+    names = tmp_path / "classes.txt"
+    names.write_text("red\ngreen\nblue\n")
+    m = index_shards(IndexConfig(shards[:2], None, shards[2:], str(names), 100))
+    assert m.classes == ("red", "green", "blue") and m.components.label == "cls"
+    assert m.splits["train"].samples == 14 and m.splits["val"].samples == 6
+    assert m.mean[0] > m.mean[2]
+    for s in m.splits["train"].shards:
+        assert len(read_index(out / s.index)) == s.samples
+    report = inspect(out, verify=True)
+    assert report.ok, report.problems
+
+
+def test_inspect_verify_finds_a_damaged_shard(tmp_path, folder):
+    out = tmp_path / "out"
+    shard(cfg(folder, out))
+    assert inspect(out, verify=True).ok
+    first = sorted(out.glob("train-*.tar"))[0]
+    data = bytearray(first.read_bytes())
+    data[700:900] = b"\0" * 200
+    first.write_bytes(bytes(data))
+    report = inspect(out, verify=True)
+    assert not report.ok and any("checksum" in p for p in report.problems)
+
+
+def test_cli_help_and_clear_errors(tmp_path):
+    from fastpipe.cli import main, parse_size
+
+    for cmd in ("shard", "demo-data", "index", "inspect", "merge", "doctor"):
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "--help"])
+        assert e.value.code == 0
+    r = subprocess.run([sys.executable, "-m", "fastpipe", "shard", str(tmp_path / "nope"), str(tmp_path / "o")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+    assert parse_size("256MB") == 256 * 2**20 and parse_size("64k") == 65536 and parse_size("1000") == 1000
+
+
+def test_demo_data_is_deterministic_and_dirty(tmp_path):
+    from fastpipe.demo import DemoConfig, make_demo_data
+
+    kw = dict(count=14, width=320, height=240, workers=1)
+    make_demo_data(DemoConfig(tmp_path / "a", **kw))
+    make_demo_data(DemoConfig(tmp_path / "b", **kw))
+    files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*") if p.is_file())
+    assert all((tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes() for f in files)
+    summary = shard(cfg(tmp_path / "a", tmp_path / "out"))
+    assert Counter(summary.rejected) == Counter({"truncated": 1, "duplicate": 1, "not-an-image": 1})
+
+
+def test_doctor_runs_and_reports(capsys):
+    from fastpipe.doctor import run_doctor
+
+    assert run_doctor() == 0  # nothing on a CPU-only machine is broken
+    out = capsys.readouterr().out
+    assert "torch build" in out and "Pillow" in out and "CPU cores" in out
