@@ -82,6 +82,7 @@ class Summary:
     seconds: float = 0.0
     converted_now: int = 0
     up_to_date: bool = False
+    phases: dict[str, float] = field(default_factory=dict)  # seconds: start (pool), hash, convert, finish
 
     def lines(self) -> list[str]:
         rate = self.converted_now / self.seconds if self.seconds else 0.0
@@ -238,6 +239,16 @@ def _summarise(summary: Summary, manifest_path: Path, rejected_path: Path) -> Su
     return summary
 
 
+class _Clock:
+    def __init__(self, laps: dict[str, float], start: float):
+        self.laps, self.last = laps, start
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = now - self.last
+        self.last = now
+
+
 def shard(cfg: ShardConfig) -> Summary:
     """Convert cfg.src into shards under cfg.out (resuming, skipping or refusing as the folder requires)."""
     cfg.validate()
@@ -248,8 +259,11 @@ def shard(cfg: ShardConfig) -> Summary:
     workers = cfg.workers or plan.default_workers()
     pool = _make_pool(workers, cfg.image_settings()) if workers > 1 else None
     _init_worker(cfg.image_settings())
+    clock = _Clock(summary.phases, start)
     try:
+        clock.lap("start")
         hashes, early = plan.hash_files(source, pool)
+        clock.lap("hash")
         items, duplicates = plan.deduplicate(list(source.items), hashes)
         by_split = plan.split_items(items, cfg.val_fraction, cfg.seed)
         ordered = {n: plan.order_split(by_split[n], source.classes, cfg.seed, salt)
@@ -265,10 +279,12 @@ def shard(cfg: ShardConfig) -> Summary:
                     run = _SplitRun(name, mine[name], cfg, journal, p, len(source.classes))
                     summary.converted_now += _convert_split(name, mine[name], source.root, run,
                                                             source.classes, pool)
+            clock.lap("convert")
             # Refusals found before any decoding are recorded once, by part 0, for a cluster job.
             early_all = list(source.rejections) + early + duplicates if cfg.part == 0 else []
             _finalize(cfg, source.classes, progress, early_all, fingerprint)
             journal.remove()
+            clock.lap("finish")
         else:
             summary.up_to_date = True
     finally:
