@@ -1,3 +1,10 @@
 """fastpipe: shard image data once, load it fast, train with predictable GPU memory, find the bottleneck."""
 
 __version__ = "0.1.0"
+
+
+def make_loader(out, backend: str = "torch", **settings):
+    """See fastpipe.loaders.make_loader (imported lazily: `import fastpipe` stays light for the converter)."""
+    from fastpipe.loaders import make_loader as _make
+
+    return _make(out, backend, **settings)

@@ -147,16 +147,18 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def read_index(idx_path: Path) -> list[dict[str, tuple[int, int]]]:
-    """Parse a `.idx` file: per sample, {ext: (data offset, size)}."""
+def read_index(idx_path: Path, with_keys: bool = False):
+    """Parse a `.idx` file: per sample, {ext: (data offset, size)}; with_keys: (key, that dict) pairs."""
     lines = Path(idx_path).read_text().splitlines()
     head = lines[0].split() if lines else []
     if len(head) != 2 or head[0] != IDX_VERSION or int(head[1]) != len(lines) - 1:
-        raise ValueError(f"{idx_path}: not a {IDX_VERSION} index of {len(lines) - 1} samples (header {head})")
+        raise ValueError(f"{idx_path}: not a {IDX_VERSION} index of {len(lines) - 1} samples (header {head}); "
+                         f"rebuild it with `fastpipe index`")
     samples = []
     for line in lines[1:]:
         f = line.split(" ")
-        samples.append({f[i]: (int(f[i + 1]), int(f[i + 2])) for i in range(0, len(f), 4)})
+        parts = {f[i]: (int(f[i + 1]), int(f[i + 2])) for i in range(0, len(f), 4)}
+        samples.append((split_name(f[3])[0], parts) if with_keys else parts)
     return samples
 
 

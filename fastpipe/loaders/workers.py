@@ -14,3 +14,64 @@ def heuristic_workers(devices: int = 1) -> int:
     when there are enough to spare, at most 16 (more rarely helps and costs memory per worker)."""
     per_device = usable_cores() // max(devices, 1)
     return max(1, min(per_device - 1 if per_device > 3 else per_device, 16))
+
+
+def _cache_path():
+    from pathlib import Path
+
+    base = os.environ.get("FASTPIPE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "fastpipe")
+    return Path(base) / "workers.json"
+
+
+def _candidates() -> list[int]:
+    cores = usable_cores()
+    return sorted({c for c in (1, 2, 4, 6, 8, 12, 16, cores) if c <= cores})
+
+
+def _probe(manifest, cfg, backend: str, workers: int, seconds: float) -> float:
+    """Images/s of the loader alone with `workers` processes, after one warm-up batch."""
+    import time
+    from dataclasses import replace
+
+    from fastpipe.loaders import make_loader_from
+
+    loader = make_loader_from(manifest, replace(cfg, num_workers=workers, split="train", device="cpu",
+                                                pin_memory=False), backend)
+    it = iter(loader)
+    next(it)
+    n, start = 0, time.perf_counter()
+    for x, _ in it:
+        n += len(x)
+        if time.perf_counter() - start > seconds:
+            break
+    return n / max(time.perf_counter() - start, 1e-9)
+
+
+def tuned_workers(manifest, cfg, backend: str, seconds: float = 2.0) -> int:
+    """Measured once per machine, data set and batch shape, then read from the cache: the smallest worker
+    count within 5 % of the fastest, so that spare cores stay with the training process."""
+    import json
+    import logging
+    import platform
+
+    key = "|".join(map(str, (platform.node(), usable_cores(), manifest.root.resolve(),
+                             manifest.settings.get("fingerprint", ""), backend, cfg.image_size, cfg.batch_size)))
+    path = _cache_path()
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    log = logging.getLogger("fastpipe")
+    if key in cache:
+        log.info("num_workers=%d (measured earlier, cached in %s)", cache[key]["workers"], path)
+        return cache[key]["workers"]
+    rates = {w: _probe(manifest, cfg, backend, w, seconds) for w in _candidates()}
+    best = max(rates.values())
+    chosen = min(w for w, r in rates.items() if r >= 0.95 * best)
+    cache[key] = {"workers": chosen, "img_per_s": {str(k): round(v, 1) for k, v in rates.items()}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cache, indent=1))
+    log.warning("num_workers=%d chosen by a probe (%s img/s); cached in %s", chosen,
+                ", ".join(f"{w}: {r:.0f}" for w, r in rates.items()), path)
+    return chosen

@@ -1,0 +1,56 @@
+"""LoaderConfig: the one place that defines the loaders' settings and their defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+SPLITS = ("train", "val")
+ON_ERROR = ("skip", "raise")
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    backend: str = "torch"  # see fastpipe.loaders.BACKENDS
+    split: str = "train"  # train: random-resized-crop + flip, shuffled; val: resize + centre crop, in order
+    batch_size: int = 64
+    image_size: int = 224
+    device: str | None = None  # None: cuda when available, else cpu
+    num_workers: int | None = None  # None: measured once per machine and data set, then cached
+    rank: int | None = None  # None: from torch.distributed when initialised, else 0
+    world_size: int | None = None
+    seed: int = 0
+    balance: bool = False  # class-balanced sampling with the manifest's class weights (train only)
+    normalize: bool = True  # float, normalised with the data set's mean/std; False: uint8 0..255
+    on_error: str = "skip"  # a sample that fails to decode: skip and count, or raise
+    shuffle_buffer: int = 1000  # samples mixed across shard boundaries in train mode
+    prefetch_factor: int = 4  # batches queued per worker: absorbs decode-time jitter at ~10 MB a batch
+    pin_memory: bool | None = None  # None: on when the device is CUDA
+    min_scale: float = 0.08  # RandomResizedCrop's area range lower bound (torchvision's default)
+    val_crop: float = 0.875  # val: resize the short side to image_size / val_crop, then centre crop
+
+    def resolved(self) -> LoaderConfig:
+        """Fill the None fields from the running process (device, distributed rank)."""
+        import torch
+
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        rank, world = self.rank, self.world_size
+        dist = torch.distributed
+        if (rank is None or world is None) and dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank() if rank is None else rank
+            world = dist.get_world_size() if world is None else world
+        cfg = replace(self, device=device, rank=rank or 0, world_size=world or 1,
+                      pin_memory=device.startswith("cuda") if self.pin_memory is None else self.pin_memory)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.split not in SPLITS:
+            raise ValueError(f"split={self.split!r}: use one of {SPLITS}")
+        if self.on_error not in ON_ERROR:
+            raise ValueError(f"on_error={self.on_error!r}: use one of {ON_ERROR}")
+        if self.batch_size < 1 or self.image_size < 8:
+            raise ValueError(f"batch_size={self.batch_size}, image_size={self.image_size}: need >= 1 and >= 8")
+        if self.world_size is not None and not 0 <= (self.rank or 0) < self.world_size:
+            raise ValueError(f"rank={self.rank} with world_size={self.world_size}: need 0 <= rank < world_size")
+        if self.num_workers is not None and self.num_workers < 0:
+            raise ValueError(f"num_workers={self.num_workers}: need >= 0 (or None to measure)")

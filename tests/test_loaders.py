@@ -1,0 +1,251 @@
+"""The loader contract on every backend, the epoch rule, balance, bad data, determinism, DDP."""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_folder
+
+from fastpipe import make_loader
+from fastpipe.convert.driver import ShardConfig, shard
+from fastpipe.convert.writer import read_index
+from fastpipe.loaders.epoch import batches_per_epoch, train_segment, val_batches
+from fastpipe.loaders.shards import ShardError
+from fastpipe.manifest import load
+
+REAL = ["torch", "nvjpeg", pytest.param("dali", marks=pytest.mark.dali)]
+KW = dict(batch_size=8, image_size=48, device="cpu")
+
+
+def dominant(images: torch.Tensor, manifest) -> list[str]:
+    """Class name from the dominant colour channel, undoing the normalisation."""
+    mean = torch.tensor(manifest.mean).view(1, 3, 1, 1)
+    std = torch.tensor(manifest.std).view(1, 3, 1, 1)
+    rgb = (images.float() * std + mean).mean((2, 3)) if images.is_floating_point() else images.float().mean((2, 3))
+    return [["red", "green", "blue"][i] for i in rgb.argmax(1).tolist()]
+
+
+@pytest.mark.parametrize("backend", REAL)
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_contract_on_every_backend(converted, backend, split):
+    m = load(converted)
+    loader = make_loader(converted, backend, split=split, num_workers=2, **KW)
+    batches = list(loader)
+    assert len(batches) == len(loader) == batches_per_epoch(split, m.split(split).samples, 8, 1)
+    seen = 0
+    for x, y in batches:
+        assert x.dtype == torch.float32 and x.shape[1:] == (3, 48, 48) and x.device.type == "cpu"
+        assert x.is_contiguous(memory_format=torch.channels_last)
+        assert y.dtype == torch.int64 and len(y) == len(x)
+        assert x.min() > -4 and x.max() < 4  # normalised with the data set's own statistics
+        assert [m.classes[i] for i in y.tolist()] == dominant(x, m)  # labels belong to their images
+        seen += len(y)
+    assert loader.stats.batches == len(loader) and loader.stats.samples == seen
+    if split == "train":
+        assert all(len(y) == 8 for _, y in batches)  # drop_last: no tiny batch for BatchNorm
+    else:
+        assert seen == m.split("val").samples  # every val sample, once
+
+
+@pytest.mark.parametrize("backend", REAL)
+def test_uint8_output(converted, backend):
+    x, _ = next(iter(make_loader(converted, backend, split="val", normalize=False, num_workers=0, **KW)))
+    assert x.dtype == torch.uint8 and x.is_contiguous(memory_format=torch.channels_last) and x.max() > 100
+
+
+def test_backends_agree_on_val_images(converted):
+    out = {}
+    backends = ["torch", "nvjpeg"] + (["dali"] if _has_dali() else [])
+    for b in backends:
+        out[b] = torch.cat([x for x, _ in make_loader(converted, b, split="val", num_workers=0, **KW)])
+    for b in backends[1:]:
+        assert out[b].shape == out["torch"].shape
+        diff = (out[b] - out["torch"]).abs().mean().item()
+        assert diff < 0.08, f"{b} differs from torch by {diff:.3f} (normalised units)"
+
+
+def _has_dali():
+    from conftest import has_dali
+
+    return has_dali()
+
+
+def test_synthetic_has_the_real_loaders_shape_and_length(converted):
+    real = make_loader(converted, "torch", num_workers=0, **KW)
+    syn = make_loader(converted, "synthetic", **KW)
+    assert len(syn) == len(real)
+    batches = list(syn)
+    assert len(batches) == len(real) and batches[0][0].shape == (8, 3, 48, 48)
+    assert batches[0][0].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_unknown_backend_and_setting_are_refused(converted):
+    with pytest.raises(ValueError, match="torch, dali, nvjpeg, synthetic"):
+        make_loader(converted, "ffcv")
+    with pytest.raises(TypeError, match="batch_sise"):
+        make_loader(converted, "torch", batch_sise=3)
+
+
+def test_missing_dali_says_how_to_install(converted, monkeypatch):
+    monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # what Python does when it isn't installed
+    with pytest.raises(ImportError, match=r"pip install 'fastpipe\[dali\]'"):
+        make_loader(converted, "dali", **KW)
+
+
+# -- the epoch rule --------------------------------------------------------------------------------
+@pytest.mark.parametrize("counts,world,workers,batch", [
+    ([7, 7, 3], 2, 2, 2), ([100], 4, 3, 5), ([1, 1, 1, 1, 1, 1, 1], 3, 1, 2), ([13, 2, 9, 20], 3, 4, 3)])
+def test_train_segments_are_exact_and_disjoint(counts, world, workers, batch):
+    per_rank = batches_per_epoch("train", sum(counts), batch, world)
+    taken = []
+    for r, w in itertools.product(range(world), range(workers)):
+        pieces = train_segment(counts, 0, 3, r, world, w, workers, batch)
+        n = sum(p.count for p in pieces)
+        assert n == len(range(w, per_rank, workers)) * batch
+        taken += [(p.shard, p.start + i) for p in pieces for i in range(p.count)]
+    assert len(taken) == len(set(taken)) == world * per_rank * batch
+
+
+@pytest.mark.parametrize("total,world,batch", [(7, 2, 3), (10, 4, 3), (9, 2, 4), (5, 3, 1), (64, 1, 64)])
+def test_val_batches_cover_everything_once_with_equal_counts(total, world, batch):
+    counts = [total // 3, total - 2 * (total // 3), total // 3]
+    seen, lengths = [], set()
+    for r in range(world):
+        bs = val_batches(counts, r, world, batch)
+        lengths.add(len(bs))
+        for pieces in bs:
+            assert sum(p.count for p in pieces) <= batch
+            seen += [(p.shard, p.start + i) for p in pieces for i in range(p.count)]
+    assert len(lengths) == 1 and len(seen) == len(set(seen)) == total
+
+
+def test_simulated_ranks_yield_equal_counts_and_cover_val_once(converted):
+    m = load(converted)
+    single = sorted(img.sum().item() for x, _ in make_loader(converted, split="val", num_workers=0, **KW)
+                    for img in x)
+    parts, counts = [], set()
+    for rank in range(3):
+        loader = make_loader(converted, split="val", rank=rank, world_size=3, num_workers=2, **KW)
+        got = [x for x, _ in loader]
+        counts.add(len(got))
+        parts += [img.sum().item() for x in got for img in x]
+        train = make_loader(converted, split="train", rank=rank, world_size=3, num_workers=2, **KW)
+        assert len(list(train)) == len(train) == m.split("train").samples // 24
+    assert len(counts) == 1
+    assert sorted(parts) == pytest.approx(single)
+
+
+def test_set_epoch_is_deterministic(converted):
+    def epoch(e, workers=2):
+        loader = make_loader(converted, num_workers=workers, seed=5, **KW)
+        loader.set_epoch(e)
+        return torch.cat([x for x, _ in loader]), torch.cat([y for _, y in loader])
+
+    a, b, c = epoch(1), epoch(1), epoch(2)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[0], c[0])
+
+
+def test_persistent_workers_see_set_epoch(converted):
+    loader = make_loader(converted, num_workers=2, seed=1, **KW)
+    first = torch.cat([y for _, y in loader])
+    loader.set_epoch(1)
+    second = torch.cat([y for _, y in loader])
+    loader.set_epoch(0)
+    again = torch.cat([y for _, y in loader])
+    assert torch.equal(first, again) and not torch.equal(first, second)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("dali", marks=pytest.mark.dali)])
+def test_balance_gives_near_uniform_classes(tmp_path, backend):
+    src = make_folder(tmp_path / "src", {"red": 60, "green": 12, "blue": 4}, size=(64, 48))
+    out = tmp_path / "out"
+    shard(ShardConfig(src, out, short_side=48, val_fraction=0, workers=1, max_shard_size=64 * 1024))
+    loader = make_loader(out, backend, balance=True, num_workers=2, batch_size=8, image_size=32, device="cpu")
+    counts = torch.zeros(3)
+    for e in range(6):
+        loader.set_epoch(e)
+        for _, y in loader:
+            counts += torch.bincount(y, minlength=3)
+    share = counts / counts.sum()
+    assert share.min() > 0.22 and share.max() < 0.45, share  # unbalanced: 0.79 / 0.16 / 0.05
+
+
+def _corrupt_one_sample(out: Path) -> str:
+    """Overwrite one stored JPEG after its start marker with garbage, keeping the shard's size."""
+    m = load(out)
+    s = m.splits["train"].shards[0]
+    key, parts = read_index(out / s.index, with_keys=True)[1]
+    off, size = parts["jpg"]
+    data = bytearray((out / s.path).read_bytes())
+    data[off + 2 : off + size] = np.random.default_rng(0).bytes(size - 2)
+    (out / s.path).write_bytes(bytes(data))
+    return key
+
+
+@pytest.fixture
+def corrupted(converted, tmp_path) -> tuple[Path, str]:
+    out = tmp_path / "bad"
+    shutil.copytree(converted, out)
+    return out, _corrupt_one_sample(out)
+
+
+@pytest.mark.parametrize("backend", ["torch", "nvjpeg"])
+def test_corrupt_sample_is_skipped_and_counted(corrupted, backend):
+    out, key = corrupted
+    # batch size 1: every sample, the bad one too, is used this epoch
+    loader = make_loader(out, backend, num_workers=0, **{**KW, "batch_size": 1})
+    with pytest.warns(UserWarning, match=f"skipping sample {key}"):
+        batches = list(loader)
+    assert len(batches) == len(loader) and all(len(y) == 1 for _, y in batches)
+    assert loader.stats.skipped >= 1
+
+
+def test_corrupt_sample_raises_with_its_key(corrupted):
+    out, key = corrupted
+    with pytest.raises(Exception, match=key):
+        list(make_loader(out, "torch", num_workers=0, on_error="raise", **{**KW, "batch_size": 1}))
+
+
+def test_missing_or_truncated_shard_is_named(converted, tmp_path):
+    out = tmp_path / "broken"
+    shutil.copytree(converted, out)
+    victim = out / load(out).splits["train"].shards[1].path
+    victim.write_bytes(victim.read_bytes()[:5000])
+    with pytest.raises(ShardError, match=victim.name):
+        make_loader(out, "torch", num_workers=0, **KW)
+    victim.unlink()
+    with pytest.raises(ShardError, match=f"{victim.name} is missing"):
+        make_loader(out, "torch", num_workers=0, **KW)
+
+
+def test_worker_count_is_measured_once_and_cached(converted, tmp_path, monkeypatch):
+    from fastpipe.loaders.workers import _candidates
+
+    monkeypatch.setenv("FASTPIPE_CACHE", str(tmp_path))
+    loader = make_loader(converted, num_workers=None, **KW)
+    assert loader.num_workers in _candidates()
+    assert (tmp_path / "workers.json").exists()
+    again = make_loader(converted, num_workers=None, **KW)
+    assert again.num_workers == loader.num_workers
+
+
+def test_two_ranks_for_real_with_torchrun(tmp_path):
+    """Uneven shards (5) for 2 ranks x 2 workers: both ranks finish with the same count, val covered once."""
+    src = make_folder(tmp_path / "src", {"red": 23, "green": 17, "blue": 9}, size=(64, 48))
+    out = tmp_path / "out"
+    shard(ShardConfig(src, out, short_side=48, val_fraction=0.2, workers=1, max_shard_size=96 * 1024))
+    assert len(load(out).splits["train"].shards) % 2 == 1 or len(load(out).splits["train"].shards) > 2
+    torchrun = Path(sys.executable).with_name("torchrun")
+    script = Path(__file__).with_name("ddp_loader_check.py")
+    r = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", "29517", str(script), str(out)],
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "DDP-OK" in r.stdout
