@@ -249,3 +249,16 @@ def test_two_ranks_for_real_with_torchrun(tmp_path):
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "DDP-OK" in r.stdout
+
+
+def test_an_epoch_never_repeats_a_sample_even_with_a_large_shuffle_buffer(converted):
+    """The shuffle buffer (1000) is larger than each worker's segment: samples must still come once each."""
+    from fastpipe.loaders.config import LoaderConfig
+    from fastpipe.loaders.shards import ShardSet
+    from fastpipe.loaders.torch_wds import SampleStream
+
+    m = load(converted)
+    cfg = LoaderConfig(batch_size=8, image_size=32, rank=0, world_size=1, shuffle_buffer=1000)
+    stream = SampleStream(ShardSet(m, "train"), cfg, m.class_weights(), mode="raw")
+    seen = [bytes(img) for images, _, _ in stream for img in images]
+    assert len(seen) == len(set(seen)) == (m.splits["train"].samples // 8) * 8

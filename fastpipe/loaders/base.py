@@ -44,8 +44,8 @@ class DeviceStep:
         self.mean = torch.tensor(mean, device=device, dtype=torch.float32).view(1, 3, 1, 1) * 255
         self.std = torch.tensor(std, device=device, dtype=torch.float32).view(1, 3, 1, 1) * 255
 
-    def images(self, nhwc_uint8: torch.Tensor) -> torch.Tensor:
-        x = nhwc_uint8.to(self.device, non_blocking=True).permute(0, 3, 1, 2)  # NCHW view = channels_last
+    def images(self, nhwc: torch.Tensor) -> torch.Tensor:
+        x = nhwc.to(self.device, non_blocking=True).permute(0, 3, 1, 2)  # NCHW view = channels_last
         return self.finish(x)
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:

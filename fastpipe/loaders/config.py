@@ -27,6 +27,7 @@ class LoaderConfig:
     pin_memory: bool | None = None  # None: on when the device is CUDA
     min_scale: float = 0.08  # RandomResizedCrop's area range lower bound (torchvision's default)
     val_crop: float = 0.875  # val: resize the short side to image_size / val_crop, then centre crop
+    cpu_decoder: str = "auto"  # torch backend: "simplejpeg" (+ OpenCV), "pillow", or auto (the first, else Pillow)
 
     def resolved(self) -> LoaderConfig:
         """Fill the None fields from the running process (device, distributed rank)."""
@@ -46,6 +47,8 @@ class LoaderConfig:
     def validate(self) -> None:
         if self.split not in SPLITS:
             raise ValueError(f"split={self.split!r}: use one of {SPLITS}")
+        if self.cpu_decoder not in ("auto", "simplejpeg", "pillow"):
+            raise ValueError(f"cpu_decoder={self.cpu_decoder!r}: use auto, simplejpeg or pillow")
         if self.on_error not in ON_ERROR:
             raise ValueError(f"on_error={self.on_error!r}: use one of {ON_ERROR}")
         if self.batch_size < 1 or self.image_size < 8:

@@ -1,8 +1,12 @@
 """Decode + crop + flip on uint8, on the CPU, one sample at a time (the loader workers' hot path).
 
-Crop and resize happen in one `Image.resize(box=...)` call (the fastest Pillow path per DESIGN.md), after
-JPEG DCT scaling when the crop is at least twice the output size. The output stays uint8 HWC: the float
-conversion and normalisation happen on the device, where they are free and the copy is 4x smaller.
+Two decoders, same random draws, same output (uint8 HWC; the float conversion and normalisation happen on
+the device, where they are free and the copy is 4x smaller):
+- "simplejpeg": libjpeg-turbo through simplejpeg, crop as a NumPy view, cv2.resize (INTER_AREA when
+  shrinking) and cv2.flip — the fastest per-core path measured here (DESIGN.md; benchmarks/bench_loaders.py).
+- "pillow": one `Image.resize(box=...)` call after JPEG DCT scaling; for non-JPEG images, for colour spaces
+  simplejpeg does not convert (CMYK), and where simplejpeg/OpenCV are not installed.
+"auto" uses the first and falls back to the second per sample.
 """
 
 from __future__ import annotations
@@ -14,6 +18,15 @@ import numpy as np
 from PIL import Image
 
 RESAMPLE = Image.Resampling.BILINEAR  # Pillow's bilinear is antialiased when shrinking, like torchvision's
+DECODERS = ("auto", "simplejpeg", "pillow")
+
+try:
+    import cv2
+    import simplejpeg
+
+    cv2.setNumThreads(1)  # one loader worker = one core; OpenCV's own threads would oversubscribe
+except ImportError:  # the Pillow path does everything, slower
+    cv2 = simplejpeg = None
 
 
 def random_resized_crop_box(w: int, h: int, rng: np.random.Generator, min_scale: float = 0.08,
@@ -59,17 +72,63 @@ def _crop_resize(im: Image.Image, box, size: int) -> np.ndarray:
     return np.asarray(im.resize((size, size), RESAMPLE, box=box))
 
 
-def decode_train(data: bytes, size: int, rng: np.random.Generator, min_scale: float = 0.08) -> np.ndarray:
-    """RandomResizedCrop(size) + horizontal flip with probability 1/2 → uint8 HWC."""
-    im = Image.open(io.BytesIO(data))
-    box, flip = draw_train_params(*im.size, rng, min_scale)
-    out = _crop_resize(im, box, size)
-    return np.ascontiguousarray(out[:, ::-1]) if flip else out
+def _fast(data: bytes, w: int, h: int, box, size: int, flip: bool, out: np.ndarray | None) -> np.ndarray:
+    """simplejpeg decode (DCT-scaled when the crop is at least twice the output) + cv2 crop/resize/flip."""
+    bw, bh = box[2] - box[0], box[3] - box[1]
+    scaled = min(bw, bh) >= 2 * size
+    a = simplejpeg.decode_jpeg(data, "RGB", min_width=math.ceil(w * size / bw) if scaled else 0,
+                               min_height=math.ceil(h * size / bh) if scaled else 0)
+    sx, sy = a.shape[1] / w, a.shape[0] / h
+    crop = a[round(box[1] * sy) : round(box[3] * sy), round(box[0] * sx) : round(box[2] * sx)]
+    # INTER_AREA only where bilinear would alias (shrinking 2x or more): 3x slower than INTER_LINEAR.
+    interp = cv2.INTER_AREA if min(crop.shape[:2]) >= 2 * size else cv2.INTER_LINEAR
+    if not flip:
+        return cv2.resize(crop, (size, size), dst=out, interpolation=interp)
+    return cv2.flip(cv2.resize(crop, (size, size), interpolation=interp), 1, dst=out)
 
 
-def decode_val(data: bytes, size: int, crop: float = 0.875) -> np.ndarray:
-    im = Image.open(io.BytesIO(data))
-    return _crop_resize(im, center_crop_box(*im.size, size, crop), size)
+def _header(data: bytes, decoder: str):
+    """(w, h, fast) — fast when simplejpeg can take this file."""
+    if decoder != "pillow" and simplejpeg is not None:
+        try:
+            h, w, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+            if colorspace in ("YCbCr", "Gray", "RGB"):
+                return w, h, True
+        except ValueError:
+            pass  # not a JPEG (or a damaged header): Pillow decides
+    if decoder == "simplejpeg" and simplejpeg is None:
+        raise ImportError("decoder='simplejpeg' needs simplejpeg and opencv-python-headless installed")
+    return *Image.open(io.BytesIO(data)).size, False
+
+
+def _decode(data: bytes, size: int, box_of, decoder: str, out: np.ndarray | None) -> np.ndarray:
+    w, h, fast = _header(data, decoder)
+    box, flip = box_of(w, h)
+    if fast:
+        try:
+            return _fast(data, w, h, box, size, flip, out)
+        except ValueError:
+            if decoder == "simplejpeg":
+                raise
+    img = _crop_resize(Image.open(io.BytesIO(data)), box, size)
+    img = img[:, ::-1] if flip else img
+    if out is None:
+        return np.ascontiguousarray(img)
+    out[...] = img
+    return out
+
+
+def decode_train(data: bytes, size: int, rng: np.random.Generator, min_scale: float = 0.08,
+                 decoder: str = "auto", out: np.ndarray | None = None) -> np.ndarray:
+    """RandomResizedCrop(size) + horizontal flip with probability 1/2 → uint8 HWC (into `out` if given:
+    the loader decodes straight into its batch buffer, saving a copy per image)."""
+    return _decode(data, size, lambda w, h: draw_train_params(w, h, rng, min_scale), decoder, out)
+
+
+def decode_val(data: bytes, size: int, crop: float = 0.875, decoder: str = "auto",
+               out: np.ndarray | None = None) -> np.ndarray:
+    """Resize the short side to size / crop, centre crop size x size → uint8 HWC."""
+    return _decode(data, size, lambda w, h: (center_crop_box(w, h, size, crop), False), decoder, out)
 
 
 def draw_train_params(w: int, h: int, rng: np.random.Generator, min_scale: float = 0.08):
@@ -80,4 +139,5 @@ def draw_train_params(w: int, h: int, rng: np.random.Generator, min_scale: float
 
 def jpeg_size(data: bytes) -> tuple[int, int]:
     """(w, h) from the header alone."""
-    return Image.open(io.BytesIO(data)).size
+    w, h, _ = _header(data, "auto")
+    return w, h

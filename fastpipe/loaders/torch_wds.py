@@ -49,6 +49,16 @@ def _shuffled(samples: Iterator, size: int, rng: np.random.Generator) -> Iterato
     yield from buf
 
 
+def _batch_buffer(n: int, size: int) -> torch.Tensor:
+    """uint8 NHWC batch, in shared memory inside a DataLoader worker: sending it to the main process then
+    costs no copy (what default_collate does for its batches)."""
+    shape = (n, size, size, 3)
+    if get_worker_info() is None:
+        return torch.empty(shape, dtype=torch.uint8)
+    storage = torch.UntypedStorage._new_shared(n * size * size * 3)
+    return torch.tensor([], dtype=torch.uint8).set_(storage).view(shape)
+
+
 class SampleStream(IterableDataset):
     """One DataLoader worker's share of the epoch (see epoch.py), as ready batches."""
 
@@ -67,40 +77,46 @@ class SampleStream(IterableDataset):
             batches = val_batches(self.shards.counts, cfg.rank, cfg.world_size, cfg.batch_size)
             for b in range(worker, len(batches), workers):
                 raw = [s for p in batches[b] for s in self.shards.read(p)]
-                yield self._collate([x for x in (self._prepare(s, rng) for s in raw) if x is not None],
-                                    len(raw))
+                yield self._assemble(iter(raw), len(raw), rng, limit=len(raw))
             return
         pieces = train_segment(self.shards.counts, cfg.seed, epoch, cfg.rank, cfg.world_size, worker, workers,
                                cfg.batch_size)
-        stream = _shuffled(self._cycle(pieces, rng), cfg.shuffle_buffer, rng)
+        stream = self._stream(pieces, rng)
         for _ in range(worker_batches(self.batches, worker, workers)):
-            yield self._fill(stream, rng)
+            yield self._assemble(stream, cfg.batch_size, rng, limit=100 * cfg.batch_size)
 
-    def _cycle(self, pieces, rng) -> Iterator[RawSample]:
-        """The segment, again from its start if samples were skipped or balancing needs more."""
-        for lap in itertools.count():
-            emitted = 0
-            for piece in pieces:
-                for s in self.shards.read(piece):
-                    n = _repeats(self.weights, rng, s.label) if self.cfg.balance else 1
-                    emitted += n
-                    yield from itertools.repeat(s, n)
-            if emitted == 0 and lap > 0:
-                raise SampleError("no sample of this worker's segment could be used")
+    def _lap(self, pieces, rng) -> Iterator[RawSample]:
+        """One pass over the segment (balanced: each sample repeated by its class's repeat factor)."""
+        for piece in pieces:
+            for s in self.shards.read(piece):
+                yield from itertools.repeat(s, _repeats(self.weights, rng, s.label) if self.cfg.balance else 1)
 
-    def _fill(self, stream, rng) -> tuple:
+    def _stream(self, pieces, rng) -> Iterator[RawSample]:
+        """The segment shuffled through the buffer lap by lap: each lap is emitted whole before the next one
+        starts, so an epoch never repeats a sample while another is still waiting in the buffer. A second lap
+        is read only when skipped samples (or balancing) leave the first one short."""
+        for _ in itertools.count():
+            yield from _shuffled(self._lap(pieces, rng), self.cfg.shuffle_buffer, rng)
+
+    def _assemble(self, samples, size: int, rng, limit: int) -> tuple:
+        """Up to `size` good samples from `samples`, trying at most `limit`; decoded into one batch buffer."""
+        buffer = _batch_buffer(size, self.cfg.image_size) if self.mode == "decode" else None
         items, tried = [], 0
-        while len(items) < self.cfg.batch_size:
+        while len(items) < size:
+            sample = next(samples, None)
+            if sample is None:
+                break
             tried += 1
-            if tried > 100 * self.cfg.batch_size:
-                raise SampleError(f"{tried} samples tried for one batch of {self.cfg.batch_size}: "
-                                  f"the shards are mostly undecodable; run `fastpipe inspect --verify`")
-            x = self._prepare(next(stream), rng)
+            if tried > limit and self.cfg.split == "train":
+                raise SampleError(f"{tried} samples tried for one batch of {size}: the shards are mostly "
+                                  f"undecodable; run `fastpipe inspect --verify`")
+            out = buffer[len(items)].numpy() if buffer is not None else None
+            x = self._prepare(sample, rng, out)
             if x is not None:
                 items.append(x)
-        return self._collate(items, tried)
+        return self._collate(items, tried, buffer)
 
-    def _prepare(self, s: RawSample, rng):
+    def _prepare(self, s: RawSample, rng, out=None):
         """Decode + augment (mode decode), read the header and draw the crop (bytes), or pass the bytes (raw)."""
         cfg = self.cfg
         try:
@@ -114,8 +130,10 @@ class SampleStream(IterableDataset):
                     box, flip = cpu_ops.center_crop_box(w, h, cfg.image_size, cfg.val_crop), False
                 return torch.frombuffer(bytearray(s.image), dtype=torch.uint8), box, flip, s.label
             if cfg.split == "train":
-                return cpu_ops.decode_train(s.image, cfg.image_size, rng, cfg.min_scale), s.label
-            return cpu_ops.decode_val(s.image, cfg.image_size, cfg.val_crop), s.label
+                cpu_ops.decode_train(s.image, cfg.image_size, rng, cfg.min_scale, cfg.cpu_decoder, out)
+            else:
+                cpu_ops.decode_val(s.image, cfg.image_size, cfg.val_crop, cfg.cpu_decoder, out)
+            return None, s.label  # the pixels are in the batch buffer already
         except Exception as e:  # any decoder failure is this sample's problem, reported with its key
             msg = f"sample {s.key} in shard {s.shard}: {type(e).__name__}: {e}"
             if cfg.on_error == "raise":
@@ -123,7 +141,7 @@ class SampleStream(IterableDataset):
             warnings.warn(f"skipping {msg}", stacklevel=2)
             return None
 
-    def _collate(self, items: list, tried: int) -> tuple:
+    def _collate(self, items: list, tried: int, buffer: torch.Tensor | None) -> tuple:
         skipped = tried - len(items)
         if self.mode == "raw":
             return [it[0] for it in items], [np.array([it[1]], dtype=np.int32) for it in items], skipped
@@ -132,10 +150,7 @@ class SampleStream(IterableDataset):
             boxes = torch.tensor([it[1] for it in items], dtype=torch.int64).reshape(-1, 4)
             flips = torch.tensor([it[2] for it in items], dtype=torch.bool)
             return [it[0] for it in items], boxes, flips, labels, skipped
-        size = self.cfg.image_size
-        images = torch.from_numpy(np.stack([it[0] for it in items])) if items else \
-            torch.empty((0, size, size, 3), dtype=torch.uint8)
-        return images, labels, skipped
+        return buffer[: len(items)], labels, skipped
 
 
 class TorchLoader(Loader):

@@ -1,0 +1,1 @@
+"""`fastpipe bench`: loader alone, model alone, both together — and which one limits training."""
