@@ -71,6 +71,53 @@ def _cmd_inspect(a) -> int:
     return 0 if report.ok else 1
 
 
+def _cmd_train(a) -> int:
+    from fastpipe.train.config import TrainConfig
+    from fastpipe.train.loop import TrainingStopped, train
+
+    cfg = TrainConfig(
+        data=a.data, model=a.model, backend=a.backend, epochs=a.epochs, batch_size=a.batch_size, lr=a.lr,
+        optimizer=a.optimizer, momentum=a.momentum, nesterov=not a.no_nesterov, weight_decay=a.weight_decay,
+        warmup_epochs=a.warmup_epochs, label_smoothing=a.label_smoothing, image_size=a.image_size,
+        progressive=a.progressive, amp=a.amp, accum_steps=a.accum_steps, channels_last=a.channels_last,
+        checkpoint_activations=a.checkpoint_activations, compile=a.compile, device=a.device, workers=a.workers,
+        out=a.out, resume=a.resume, stop_after=a.stop_after, seed=a.seed, pretrained=a.pretrained,
+        balance=a.balance, class_weighted_loss=a.class_weighted_loss, sync_bn=a.sync_bn, auto_batch=a.auto_batch)
+    try:
+        run = train(cfg)
+    except TrainingStopped as e:
+        print(f"fastpipe train: stopped: {e}", file=sys.stderr)
+        return 3
+    print(f"run folder: {run}")
+    return 0
+
+
+def _cmd_memory(a) -> int:
+    import json
+
+    from fastpipe.train.memory import MemoryConfig, analyse, format_report
+
+    classes = a.num_classes
+    if a.data:
+        from fastpipe.manifest import load
+
+        classes = load(a.data).num_classes
+    cfg = MemoryConfig(a.model, a.image_size, a.batch_size, a.optimizer, a.amp, classes, a.device, a.gpu_memory,
+                       a.checkpoint_activations)
+    report = analyse(cfg, techniques=not a.no_techniques)
+    print(format_report(report))
+    if a.json:
+        Path(a.json).write_text(json.dumps(report.as_dict(), indent=2))
+    return 0
+
+
+def _cmd_runs(a) -> int:
+    from fastpipe.train.runs import format_runs, list_runs
+
+    print(format_runs(list_runs(Path(a.root))))
+    return 0
+
+
 def _cmd_doctor(a) -> int:
     from fastpipe.doctor import run_doctor
 
@@ -96,6 +143,61 @@ def _add_shard(sub) -> None:
     p.add_argument("--part", type=int, default=0, help="this part's number, for cluster array jobs")
     p.add_argument("--parts", type=int, default=1, help="number of independent parts (then: fastpipe merge)")
     p.set_defaults(func=_cmd_shard)
+
+
+def _add_train(sub) -> None:
+    p = sub.add_parser("train", help="train a torchvision classifier on converted shards (AMP, DDP, run folder)",
+                       description="Train on a `fastpipe shard` output. Under torchrun: DistributedDataParallel.")
+    p.add_argument("data", help="converter output folder")
+    p.add_argument("--model", default="resnet18", help="torchvision model name (resnet18/50, mobilenet_v3_large, "
+                   "efficientnet_b0, convnext_tiny, vit_b_16, ...)")
+    p.add_argument("--backend", default="torch", help="loader: torch | dali | nvjpeg | synthetic")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=64, help="per device (per micro-batch with --accum-steps)")
+    p.add_argument("--lr", type=float, help="default: 0.1 (SGD) or 1e-3 (AdamW) x effective batch / 256")
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--no-nesterov", action="store_true")
+    p.add_argument("--weight-decay", type=float, default=5e-5)
+    p.add_argument("--warmup-epochs", type=float, default=1.0)
+    p.add_argument("--label-smoothing", type=float, default=0.1)
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--progressive", help="START:END, e.g. 128:224: small images first, full size at the end")
+    p.add_argument("--amp", choices=["fp16", "bf16", "off"], help="default: fp16 (+GradScaler) on CUDA, off on CPU")
+    p.add_argument("--accum-steps", type=int, default=1, help="gradient accumulation: optimizer step every N "
+                   "micro-batches, loss / N. BatchNorm still sees only the micro-batch")
+    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None, help="default: on CUDA")
+    p.add_argument("--checkpoint-activations", action="store_true", help="recompute the deep stages' activations")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda when available)")
+    p.add_argument("--workers", type=int, help="loader workers (default: measured once per machine and data set)")
+    p.add_argument("--out", help="run folder (default runs/<time>-<model>)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    p.add_argument("--stop-after", type=int, help="leave after N epochs (resumable), for time-limited jobs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pretrained", help="local weights file to start from (no downloads)")
+    p.add_argument("--balance", action="store_true", help="class-balanced sampling")
+    p.add_argument("--class-weighted-loss", action="store_true", help="weight the loss by the class weights")
+    p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across ranks")
+    p.add_argument("--auto-batch", action="store_true", help="find the largest batch that fits before training")
+    p.set_defaults(func=_cmd_train)
+
+
+def _add_memory(sub) -> None:
+    p = sub.add_parser("memory", help="predict the GPU memory of a model + batch before it OOMs")
+    p.add_argument("--model", default="resnet18")
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
+    p.add_argument("--amp", default="fp16", choices=["fp16", "bf16", "off"])
+    p.add_argument("--num-classes", type=int, default=1000)
+    p.add_argument("--data", help="a converter output folder, for its class count")
+    p.add_argument("--device", help="where to measure (default: cuda when available)")
+    p.add_argument("--gpu-memory", type=parse_size, help="memory to plan for, e.g. 8GB (default: this GPU's)")
+    p.add_argument("--checkpoint-activations", action="store_true")
+    p.add_argument("--no-techniques", action="store_true", help="skip the what-if table (faster)")
+    p.add_argument("--json", help="also write the report as JSON")
+    p.set_defaults(func=_cmd_memory)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out")
     p.add_argument("--verify", action="store_true", help="check checksums and decode every sample")
     p.set_defaults(func=_cmd_inspect)
+
+    _add_train(sub)
+    _add_memory(sub)
+    p = sub.add_parser("runs", help="list training runs side by side")
+    p.add_argument("root", nargs="?", default="runs")
+    p.set_defaults(func=_cmd_runs)
 
     p = sub.add_parser("doctor", help="check torch, CUDA, DALI and Pillow on this machine")
     p.set_defaults(func=_cmd_doctor)

@@ -1,0 +1,1 @@
+"""Training (AMP loop, run folders) and GPU-memory accounting."""

@@ -1,0 +1,81 @@
+"""torchvision classifiers by name, with the head sized to the data set and optional activation checkpointing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torchvision
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+SUPPORTED = ("resnet18", "resnet34", "resnet50", "resnet101", "mobilenet_v3_small", "mobilenet_v3_large",
+             "efficientnet_b0", "efficientnet_b1", "convnext_tiny", "vit_b_16", "regnet_y_400mf")
+
+
+class Checkpointed(nn.Module):
+    """Recompute this block's activations in the backward pass instead of keeping them."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        if self.training and torch.is_grad_enabled():
+            return checkpoint(self.block, x, use_reentrant=False)
+        return self.block(x)
+
+
+def _deep_blocks(model: nn.Module) -> tuple[nn.Module, list[str]]:
+    """The container and names of the deeper stages. Only those are checkpointed (the seed's advice): the early,
+    high-resolution stages would cost the most to recompute."""
+    if hasattr(model, "layer4"):  # ResNet: stages 3 and 4
+        return model, ["layer3", "layer4"]
+    if hasattr(model, "encoder") and hasattr(model.encoder, "layers"):  # ViT: the second half of the blocks
+        layers = model.encoder.layers
+        names = [n for n, _ in layers.named_children()]
+        return layers, names[len(names) // 2 :]
+    if hasattr(model, "features"):  # MobileNet, EfficientNet, ConvNeXt: the second half of `features`
+        names = [n for n, _ in model.features.named_children()]
+        return model.features, names[len(names) // 2 :]
+    if hasattr(model, "trunk_output"):  # RegNet
+        names = [n for n, _ in model.trunk_output.named_children()]
+        return model.trunk_output, names[len(names) // 2 :]
+    raise ValueError(f"no known stage layout for {type(model).__name__}: --checkpoint-activations unsupported")
+
+
+def checkpoint_deep_stages(model: nn.Module) -> list[str]:
+    parent, names = _deep_blocks(model)
+    for name in names:
+        setattr(parent, name, Checkpointed(getattr(parent, name)))
+    return names
+
+
+def load_pretrained(model: nn.Module, path: str) -> list[str]:
+    """Weights from a local file; the classifier head (other class count) is left as initialised.
+    Returns the names of the tensors not loaded."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"--pretrained {path}: no such file (fastpipe never downloads weights; "
+                                f"save them once with torchvision on a machine with a network)")
+    state = torch.load(file, map_location="cpu", weights_only=True)
+    state = state.get("model", state) if isinstance(state, dict) else state
+    own = model.state_dict()
+    usable = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
+    model.load_state_dict(usable, strict=False)
+    return sorted(set(own) - set(usable))
+
+
+def build_model(name: str, num_classes: int, image_size: int = 224, pretrained: str | None = None,
+                checkpoint_activations: bool = False) -> nn.Module:
+    try:
+        kwargs = {"image_size": image_size} if name.startswith("vit") else {}
+        model = torchvision.models.get_model(name, weights=None, num_classes=num_classes, **kwargs)
+    except ValueError:
+        raise ValueError(f"unknown model {name!r}: try one of {', '.join(SUPPORTED)} "
+                         f"(any torchvision classification model name works)") from None
+    if pretrained:
+        load_pretrained(model, pretrained)
+    if checkpoint_activations:
+        checkpoint_deep_stages(model)
+    return model

@@ -1,0 +1,60 @@
+"""Training curves and the confusion matrix as PNGs (people would rather look than read)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def curves_png(metrics: list[dict], path: Path) -> None:
+    plt = _plt()
+    ep = [m["epoch"] + 1 for m in metrics]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    axes[0].plot(ep, [m["train_loss"] for m in metrics], "o-", label="train")
+    axes[0].plot(ep, [m["val_loss"] for m in metrics], "o-", label="val")
+    axes[0].set_title("loss")
+    axes[0].legend()
+    axes[1].plot(ep, [m["val_acc"] for m in metrics], "o-", color="tab:green")
+    axes[1].set_ylim(0, 1)
+    axes[1].set_title("validation accuracy")
+    axes[2].plot(ep, [m["img_per_s"] for m in metrics], "o-", color="tab:purple", label="images/s")
+    ax2 = axes[2].twinx()
+    ax2.bar(ep, [100 * m["data_wait"] for m in metrics], alpha=0.25, color="tab:red", label="data wait %")
+    ax2.set_ylim(0, 100)
+    axes[2].set_title("throughput (line) and data wait % (bars)")
+    for a in axes:
+        a.set_xlabel("epoch")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def confusion_png(confusion: list[list[int]], classes, path: Path) -> None:
+    plt = _plt()
+    cm = np.array(confusion)
+    k = len(classes)
+    fig, ax = plt.subplots(figsize=(1.0 + 0.7 * k, 0.8 + 0.6 * k))
+    rows = cm.sum(1, keepdims=True).clip(min=1)
+    ax.imshow(cm / rows, cmap="Blues", vmin=0, vmax=1)
+    for i in range(k):
+        for j in range(k):
+            ax.text(j, i, str(cm[i, j]), ha="center", va="center", fontsize=8,
+                    color="white" if cm[i, j] / rows[i, 0] > 0.5 else "black")
+    ax.set_xticks(range(k), classes, rotation=45, ha="right", fontsize=8)
+    ax.set_yticks(range(k), classes, fontsize=8)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    ax.set_title("validation confusion (counts; colour = row share)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

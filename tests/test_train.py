@@ -1,0 +1,203 @@
+"""The training loop on CPU: it learns, accumulates, resumes, records; torchrun; the memory accounting."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fastpipe.manifest import load
+from fastpipe.train.config import TrainConfig, image_size_for_epoch
+from fastpipe.train.loop import Dist, Trainer, TrainingStopped, make_schedule, train
+from fastpipe.train.memory import MemoryConfig, analyse, optimizer_state_factor, static_bytes
+from fastpipe.train.models import build_model
+from fastpipe.train.runs import format_runs, list_runs
+
+FAST = dict(model="resnet18", batch_size=8, image_size=32, workers=1, device="cpu", log_every=2,
+            warmup_epochs=0.5)
+
+
+def cfg(data, out, **kw) -> TrainConfig:
+    return TrainConfig(data=str(data), out=str(out), **{**FAST, **kw})
+
+
+def test_short_run_learns_and_records_everything(converted, tmp_path):
+    run = train(cfg(converted, tmp_path / "runs" / "a", epochs=3, lr=0.05))
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["epoch"] for m in metrics] == [0, 1, 2]
+    assert metrics[-1]["val_acc"] > 0.8  # chance is 1/3: the colours are learnable
+    for key in ("train_loss", "img_per_s", "data_wait", "val_loss", "per_class_acc", "confusion", "lr"):
+        assert key in metrics[0]
+    assert 0 <= metrics[0]["data_wait"] <= 1 and len(metrics[-1]["confusion"]) == 3
+    config = json.loads((run / "config.json").read_text())
+    assert config["train"]["model"] == "resnet18" and config["train"]["amp"] == "off"
+    assert config["versions"]["torch"] == torch.__version__ and config["loader"]["num_workers"] == 1
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["epochs_done"] == 3
+    assert (run / "curves.png").stat().st_size > 5000 and (run / "confusion.png").stat().st_size > 3000
+    rows = list_runs(tmp_path / "runs")
+    assert rows[0]["run"] == "a" and "val acc" in format_runs(rows)
+
+
+def _tiny():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+
+
+def _trainer(model, accum):
+    c = TrainConfig(data=".", lr=1.0, optimizer="sgd", momentum=0.0, weight_decay=0.0, amp="off",
+                    accum_steps=accum, warmup_epochs=0, label_smoothing=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return Trainer(c, model, opt, sched, torch.amp.GradScaler("cpu", enabled=False), nn.CrossEntropyLoss(),
+                   torch.device("cpu"), Dist())
+
+
+def test_accumulation_matches_one_big_batch():
+    x, y = torch.randn(16, 3, 8, 8), torch.randint(0, 3, (16,))
+    big, small = _tiny(), _tiny()
+    streak = torch.zeros((), dtype=torch.int64)
+    _trainer(big, 1).step(x, y, 0, 1, streak)
+    t = _trainer(small, 4)
+    for i in range(4):
+        t.step(x[4 * i : 4 * i + 4], y[4 * i : 4 * i + 4], i, 4, streak)
+    for a, b in zip(big.parameters(), small.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
+    assert not torch.equal(big[0].weight, _tiny()[0].weight)  # a step was taken
+
+
+def test_resume_equals_an_uninterrupted_run(converted, tmp_path):
+    straight = train(cfg(converted, tmp_path / "straight", epochs=2))
+    train(cfg(converted, tmp_path / "resumed", epochs=2, stop_after=1))
+    assert json.loads((tmp_path / "resumed" / "summary.json").read_text())["epochs_done"] == 1
+    resumed = train(cfg(converted, tmp_path / "resumed", epochs=2, resume=True))
+    a = torch.load(straight / "last.pt", weights_only=False)["model"]
+    b = torch.load(resumed / "last.pt", weights_only=False)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    ma = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    mb = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert [m["val_acc"] for m in ma] == [m["val_acc"] for m in mb]
+    assert [m["train_loss"] for m in ma] == pytest.approx([m["train_loss"] for m in mb], rel=1e-6)
+
+
+def test_existing_run_folder_needs_resume(converted, tmp_path):
+    train(cfg(converted, tmp_path / "r", epochs=1))
+    with pytest.raises(FileExistsError, match="--resume"):
+        train(cfg(converted, tmp_path / "r", epochs=1))
+
+
+def test_bf16_autocast_on_cpu(converted, tmp_path):
+    run = train(cfg(converted, tmp_path / "bf16", epochs=1, amp="bf16"))
+    m = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert m["train_loss"] == m["train_loss"] and m["train_loss"] > 0  # finite
+
+
+def test_non_finite_losses_stop_with_advice(converted, tmp_path):
+    with pytest.raises(TrainingStopped, match=r"not finite.*Lower --lr"):
+        train(cfg(converted, tmp_path / "nan", epochs=2, lr=1e12, max_nonfinite=2, label_smoothing=0.0))
+    summary = json.loads((tmp_path / "nan" / "summary.json").read_text())
+    assert summary["status"].startswith("stopped")
+
+
+def test_progressive_resizing_ends_at_full_size():
+    c = TrainConfig(data=".", epochs=8, progressive="128:224")
+    sizes = [image_size_for_epoch(c, e) for e in range(8)]
+    assert sizes[0] == 128 and sizes[-2:] == [224, 224] and sizes == sorted(sizes)
+    assert all(s % 32 == 0 for s in sizes)
+
+
+def test_schedule_warms_up_then_decays():
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = make_schedule(opt, TrainConfig(data=".", epochs=2, warmup_epochs=1), steps_per_epoch=10)
+    lrs = []
+    for _ in range(20):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[0] < lrs[9] and max(lrs) == pytest.approx(1.0, abs=0.1) and lrs[-1] < 0.05
+
+
+def test_torchrun_two_processes_gloo(converted, tmp_path):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    out = tmp_path / "ddp"
+    r = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", "29531", "-m", "fastpipe", "train",
+                        str(converted), "--epochs", "1", "--batch-size", "4", "--image-size", "32", "--device", "cpu",
+                        "--workers", "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    config = json.loads((out / "config.json").read_text())
+    assert config["world_size"] == 2
+    m = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    splits = load(converted).splits
+    # Both ranks' samples are counted; val is seen once in all.
+    assert m["train_samples"] == (splits["train"].samples // 8) * 8 and m["val_samples"] == splits["val"].samples
+
+
+def test_memory_static_figures_by_hand():
+    model = build_model("resnet18", num_classes=6)
+    params = 11_176_512 + 512 * 6 + 6  # resnet18 without its 1000-class head, plus a 6-class one
+    s = static_bytes(model, "sgd")
+    assert s["params"] == s["grads"] == s["optimizer"] == params * 4
+    assert static_bytes(model, "adamw")["optimizer"] == 2 * params * 4
+    assert optimizer_state_factor("sgd", momentum=False) == 0
+
+
+def test_memory_activations_grow_with_the_batch_and_techniques_save():
+    r = analyse(MemoryConfig(model="resnet18", image_size=64, batch_size=32, amp="off", num_classes=6,
+                             device="cpu", gpu_memory=2 * 2**30))
+    assert r.measured_on.startswith("cpu: saved tensors")
+    assert r.params_mb == pytest.approx(11_179_590 * 4 / 2**20)
+    assert r.activations_mb_per_image > 0.5 and r.total_mb(64) > r.total_mb(32)
+    assert r.max_batch() and r.total_mb(r.max_batch()) <= 2048
+    saves = {t["technique"]: t["saves_mb"] for t in r.techniques}
+    assert saves["--amp bf16"] > 0 and saves["--image-size 32"] > 0 and saves["--checkpoint-activations"] > 0
+
+
+def test_memory_cli_prints_the_breakdown():
+    r = subprocess.run([sys.executable, "-m", "fastpipe", "memory", "--model", "resnet18", "--image-size", "64",
+                        "--device", "cpu", "--amp", "off", "--gpu-memory", "8GB", "--no-techniques"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "optimizer state" in r.stdout and "largest batch that fits" in r.stdout
+
+
+# -- on a GPU ---------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_fp16_gradscaler_run(converted, tmp_path):
+    run = train(cfg(converted, tmp_path / "fp16", epochs=2, device="cuda", amp="fp16", lr=0.05))
+    m = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert m[-1]["peak_mem_mb"] > 0 and m[-1]["val_acc"] > 0.6
+    assert json.loads((run / "config.json").read_text())["train"]["channels_last"] is True
+
+
+@pytest.mark.gpu
+def test_out_of_memory_says_what_to_do(converted, tmp_path):
+    huge = TrainConfig(data=str(converted), out=str(tmp_path / "oom"), model="resnet50", batch_size=4096,
+                       image_size=512, device="cuda", workers=1, epochs=1, amp="off")
+    with pytest.raises(TrainingStopped, match="--accum-steps"):
+        train(huge)
+
+
+@pytest.mark.gpu
+def test_auto_batch_finds_a_batch_that_trains():
+    from fastpipe.train.memory import cuda_peak, find_max_batch
+
+    c = MemoryConfig(model="resnet18", image_size=224, amp="fp16", num_classes=6, device="cuda")
+    b = find_max_batch(c, limit=512)
+    assert 1 <= b <= 512
+    cuda_peak(c, b, torch.device("cuda"))  # it really trains
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["resnet18", "resnet50"])
+def test_memory_prediction_within_ten_percent(model):
+    from fastpipe.train.memory import cuda_peak
+
+    c = MemoryConfig(model=model, image_size=224, batch_size=64, amp="fp16", num_classes=6, device="cuda")
+    predicted = analyse(c, techniques=False).total_mb(64)
+    measured = cuda_peak(c, 64, torch.device("cuda")) / 2**20
+    assert abs(predicted - measured) / measured < 0.10, (predicted, measured)
