@@ -118,6 +118,41 @@ def _cmd_runs(a) -> int:
     return 0
 
 
+def _list(text: str, cast=str) -> list:
+    return [cast(x.strip()) for x in str(text).split(",") if x.strip()]
+
+
+def _workers(x: str):
+    return None if x == "auto" else int(x)
+
+
+def _onoff(x: str):
+    if x not in ("on", "off", "auto"):
+        raise argparse.ArgumentTypeError(f"{x!r}: use on, off or auto")
+    return {"on": True, "off": False, "auto": None}[x]
+
+
+def _cmd_bench(a) -> int:
+    from fastpipe.bench.harness import BenchConfig, run_sweep
+    from fastpipe.bench.report import plot, table, write_json
+
+    base = BenchConfig(data=a.data, model=a.model, device=a.device, amp=a.amp, steps=a.steps, windows=a.windows,
+                       channels_last=a.channels_last, max_seconds=a.max_seconds)
+    sweep = {"backend": _list(a.backend), "workers": _list(a.workers, _workers),
+             "batch_size": _list(a.batch_size, int), "image_size": _list(a.image_size, int),
+             "pin_memory": _list(a.pin_memory, _onoff)}
+    result = run_sweep(base, sweep, on_row=lambda r: print(
+        f"  measured {r['config']['backend']}: {r.get('verdict', r.get('skipped', ''))[:70]}", flush=True))
+    print(table(result))
+    if a.json:
+        write_json(result, a.json)
+        print(f"json: {a.json}")
+    if a.plot:
+        plot(result, a.plot)
+        print(f"plot: {a.plot}")
+    return 0
+
+
 def _cmd_doctor(a) -> int:
     from fastpipe.doctor import run_doctor
 
@@ -200,6 +235,28 @@ def _add_memory(sub) -> None:
     p.set_defaults(func=_cmd_memory)
 
 
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="loader alone, model alone, both: which one limits training?",
+                       description="Three measurements on the same settings and a verdict (loader-bound, "
+                                   "device-bound, balanced) with advice. Comma-separated values sweep.")
+    p.add_argument("data", help="converter output folder")
+    p.add_argument("--model", default="resnet18")
+    p.add_argument("--device", help="cuda, cpu (default: cuda when available)")
+    p.add_argument("--backend", default="torch", help="e.g. torch,dali,nvjpeg")
+    p.add_argument("--workers", default="auto", help="e.g. 1,2,4,auto")
+    p.add_argument("--batch-size", default="64", help="e.g. 32,64")
+    p.add_argument("--image-size", default="224", help="e.g. 160,224")
+    p.add_argument("--pin-memory", default="auto", help="on,off,auto")
+    p.add_argument("--amp", choices=["fp16", "bf16", "off"], help="default: fp16 on CUDA, off on CPU")
+    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per window")
+    p.add_argument("--windows", type=int, default=3, help="timing windows per measurement (median reported)")
+    p.add_argument("--max-seconds", type=float, help="cap each measurement (slow CPU setups)")
+    p.add_argument("--json", help="write every figure, the settings, versions and device here")
+    p.add_argument("--plot", help="PNG of the three rates per configuration, verdict in the title")
+    p.set_defaults(func=_cmd_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="fastpipe", description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--version", action="version", version=f"fastpipe {__version__}")
@@ -235,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_train(sub)
     _add_memory(sub)
+    _add_bench(sub)
     p = sub.add_parser("runs", help="list training runs side by side")
     p.add_argument("root", nargs="?", default="runs")
     p.set_defaults(func=_cmd_runs)

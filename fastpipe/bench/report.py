@@ -1,0 +1,76 @@
+"""The bench result as a terminal table, a JSON file and a plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SWEPT = ("backend", "workers", "batch_size", "image_size", "pin_memory")
+
+
+def label(row: dict, swept: list[str]) -> str:
+    c = row["config"]
+    parts = [f"{k}={'auto' if c[k] is None else c[k]}" for k in swept] or [c["backend"]]
+    return " ".join(parts)
+
+
+def table(result: dict) -> str:
+    swept = [k for k in result["sweep"] if len(result["sweep"][k]) > 1] or ["backend"]
+    head = f"{'configuration':34s} {'loader':>9s} {'model':>9s} {'end2end':>9s} {'wait':>5s}  verdict"
+    lines = [head, "-" * len(head)]
+    for r in result["rows"]:
+        if "skipped" in r:
+            lines.append(f"{label(r, swept):34s} skipped: {r['skipped'][:80]}")
+            continue
+        lo, mo, ee = r["loader_only"], r["model_only"], r["end_to_end"]
+        lines.append(f"{label(r, swept):34s} {lo['img_per_s']:9,.0f} {mo['img_per_s']:9,.0f} "
+                     f"{ee['img_per_s']:9,.0f} {100 * ee['data_wait']:4.0f}%  {r['verdict']}")
+    lines.append("(images/s, median of the windows)")
+    done = [r for r in result["rows"] if "skipped" not in r]
+    if done:
+        best = max(done, key=lambda r: r["end_to_end"]["img_per_s"])
+        lines += ["", best["verdict_text"]]
+        lines += [f"  - {a}" for a in best["advice"]]
+        if len(done) > 1:
+            lines.append(f"best configuration: {label(best, swept)} ({best['end_to_end']['img_per_s']:,.0f} img/s)")
+    return "\n".join(lines)
+
+
+def write_json(result: dict, path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2, default=str))
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rows = [r for r in result["rows"] if "skipped" not in r]
+    swept = [k for k in result["sweep"] if len(result["sweep"][k]) > 1] or ["backend"]
+    names = [label(r, swept) for r in rows]
+    kinds = [("loader_only", "loader only", "#4c9"), ("model_only", "model only", "#58c"),
+             ("end_to_end", "end to end", "#e84")]
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows) + 2), 4.2))
+    for i, (key, name, color) in enumerate(kinds):
+        vals = [r[key]["img_per_s"] for r in rows]
+        err = [[r[key]["img_per_s"] - r[key]["low"] for r in rows],
+               [r[key]["high"] - r[key]["img_per_s"] for r in rows]]
+        ax.bar(x + (i - 1) * 0.27, vals, 0.27, yerr=err, label=name, color=color)
+    allv = [r[k]["img_per_s"] for r in rows for k, _, _ in kinds]
+    if allv and max(allv) / max(min(allv), 1e-9) > 20:
+        ax.set_yscale("log")  # a 50x gap would flatten the smaller bars to nothing
+    ax.set_xticks(x, names, rotation=15 if len(rows) > 3 else 0, ha="right" if len(rows) > 3 else "center")
+    ax.set_ylabel("images / s (median, error bar: window range)")
+    c = rows[0]["config"] if rows else {}
+    best = max(rows, key=lambda r: r["end_to_end"]["img_per_s"]) if rows else None
+    ax.set_title(f"{c.get('model')} on {c.get('device')}, batch {c.get('batch_size')}, {c.get('image_size')}px, "
+                 f"amp {c.get('amp')}: {best['verdict'] if best else ''}", fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

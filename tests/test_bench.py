@@ -1,0 +1,80 @@
+"""fastpipe bench: the three measurements, the verdict on setups made slow on purpose, JSON, plot, sweep."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import numpy as np
+import pytest
+import webdataset as wds
+from PIL import Image
+
+from fastpipe.bench.harness import BenchConfig, run_one, run_sweep, verdict
+from fastpipe.bench.report import plot, table, write_json
+
+QUICK = dict(steps=2, windows=2, warmup=1, device="cpu")
+
+
+def test_verdict_rules():
+    assert verdict(100, 1000, 98, 0.8)["verdict"] == "loader-bound"
+    assert verdict(5000, 200, 195, 0.01)["verdict"] == "device-bound"
+    assert verdict(400, 500, 250, 0.3)["verdict"] == "balanced"
+    v = verdict(100, 1000, 98, 0.8)
+    assert v["headroom"] == pytest.approx(10) and v["device_idle"] == pytest.approx(0.902)
+    assert "idle 90%" in v["verdict_text"]
+
+
+@pytest.fixture(scope="module")
+def png_shards(tmp_path_factory):
+    """Foreign shards of large PNGs (no DCT shortcut, slow to decode), adopted with `fastpipe index`."""
+    from fastpipe.convert.foreign import IndexConfig, index_shards
+
+    out = tmp_path_factory.mktemp("png")
+    rng = np.random.default_rng(0)
+    with wds.ShardWriter(str(out / "train-%03d.tar"), maxcount=24) as sink:
+        for i in range(48):
+            a = rng.integers(0, 255, (900, 1200, 3), dtype=np.uint8)
+            buf = io.BytesIO()
+            Image.fromarray(a).save(buf, "PNG", compress_level=1)
+            sink.write({"__key__": f"s{i:03d}", "png": buf.getvalue(), "cls": str(i % 2).encode()})
+    shards = sorted(out.glob("train-*.tar"))
+    index_shards(IndexConfig(shards, None, [], None, 4))
+    return out
+
+
+def test_slow_loader_is_judged_loader_bound(png_shards):
+    r = run_one(BenchConfig(str(png_shards), model="mobilenet_v3_small", batch_size=8, image_size=32, workers=0,
+                            **QUICK))
+    assert r["verdict"] == "loader-bound", r["verdict_text"]
+    assert r["end_to_end"]["data_wait"] > 0.5
+    assert any("workers" in a for a in r["advice"])
+
+
+def test_heavy_model_is_judged_device_bound(converted):
+    r = run_one(BenchConfig(str(converted), model="resnet50", batch_size=8, image_size=96, workers=1, **QUICK))
+    assert r["verdict"] == "device-bound", r["verdict_text"]
+    assert r["loader_only"]["img_per_s"] > 3 * r["model_only"]["img_per_s"]
+    assert any("mixed precision" in a for a in r["advice"])
+
+
+def test_sweep_rows_json_and_plot(converted, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # DALI absent: its rows say so, the rest run
+    base = BenchConfig(str(converted), model="mobilenet_v3_small", batch_size=8, image_size=32, **QUICK)
+    result = run_sweep(base, {"backend": ["torch", "dali"], "workers": [0, 1]})
+    assert len(result["rows"]) == 4
+    assert sum("skipped" in r for r in result["rows"]) == 2
+    done = [r for r in result["rows"] if "skipped" not in r]
+    for r in done:
+        for key in ("loader_only", "model_only", "end_to_end"):
+            assert {"img_per_s", "low", "high", "windows", "cpu_pct"} <= set(r[key])
+        assert r["verdict"] in ("loader-bound", "device-bound", "balanced") and r["verdict_text"]
+        assert r["config"]["device"] == "cpu" and r["config"]["amp"] == "off"
+    assert result["best"]["backend"] == "torch" and result["machine"]["torch"]
+    text = table(result)
+    assert "workers=0" in text and "skipped" in text and "best configuration" in text
+    write_json(result, str(tmp_path / "b.json"))
+    assert json.loads((tmp_path / "b.json").read_text())["rows"][0]["config"]["model"] == "mobilenet_v3_small"
+    plot(result, str(tmp_path / "b.png"))
+    assert (tmp_path / "b.png").stat().st_size > 10_000
