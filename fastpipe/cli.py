@@ -189,7 +189,7 @@ def _add_train(sub) -> None:
     p.add_argument("--backend", default="torch", help="loader: torch | dali | nvjpeg | synthetic")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=64, help="per device (per micro-batch with --accum-steps)")
-    p.add_argument("--lr", type=float, help="default: 0.1 (SGD) or 1e-3 (AdamW) x effective batch / 256")
+    p.add_argument("--lr", type=float, help="default: 0.1 x effective batch / 256 (SGD), 1e-3 (AdamW)")
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--no-nesterov", action="store_true")

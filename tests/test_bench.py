@@ -8,7 +8,6 @@ import sys
 
 import numpy as np
 import pytest
-import webdataset as wds
 from PIL import Image
 
 from fastpipe.bench.harness import BenchConfig, run_one, run_sweep, verdict
@@ -31,6 +30,7 @@ def png_shards(tmp_path_factory):
     """Foreign shards of large PNGs (no DCT shortcut, slow to decode), adopted with `fastpipe index`."""
     from fastpipe.convert.foreign import IndexConfig, index_shards
 
+    wds = pytest.importorskip("webdataset")
     out = tmp_path_factory.mktemp("png")
     rng = np.random.default_rng(0)
     with wds.ShardWriter(str(out / "train-%03d.tar"), maxcount=24) as sink:

@@ -173,7 +173,8 @@ def verdict(loader_ips: float, model_ips: float, e2e_ips: float, wait_share: flo
     idle = max(0.0, 1 - e2e_ips / max(model_ips, 1e-9))
     if e2e_ips >= DEVICE_BOUND * model_ips:
         v = "device-bound"
-        words = (f"device-bound: end to end runs at {e2e_ips / model_ips:.0%} of the model-only rate "
+        noise = " (above 100 %: timing noise)" if e2e_ips > 1.02 * model_ips else ""
+        words = (f"device-bound: end to end runs at {e2e_ips / model_ips:.0%} of the model-only rate{noise} "
                  f"({e2e_ips:,.0f} of {model_ips:,.0f} img/s); the loader has {1 / headroom:.1f}x headroom")
     elif (e2e_ips >= LOADER_BOUND * loader_ips or wait_share >= WAIT_BOUND) and \
             loader_ips < DEVICE_BOUND * model_ips:

@@ -15,7 +15,7 @@ class TrainConfig:
     backend: str = "torch"
     epochs: int = 10
     batch_size: int = 64
-    lr: float | None = None  # None: 0.1 x batch/256 for SGD (Goyal et al.), 1e-3 x batch/256... see resolved()
+    lr: float | None = None  # None: 0.1 x effective batch / 256 for SGD, 1e-3 for AdamW (loop.resolve)
     optimizer: str = "sgd"
     momentum: float = 0.9
     nesterov: bool = True
@@ -24,7 +24,7 @@ class TrainConfig:
     label_smoothing: float = 0.1
     image_size: int = 224
     progressive: str | None = None  # "128:224": small images first, full size for the last epochs
-    amp: str | None = None  # None: fp16 on CUDA, bf16 on CPU where supported... see resolved()
+    amp: str | None = None  # None: fp16 (+ GradScaler) on CUDA, off on CPU (loop.resolve)
     accum_steps: int = 1
     channels_last: bool | None = None  # None: on for CUDA
     checkpoint_activations: bool = False

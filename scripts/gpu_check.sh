@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# GPU checks in one go (< 8 minutes on one GPU): the gpu-marked tests, then `fastpipe bench` on demo data for
+# resnet18 and resnet50 with the torch, nvjpeg and DALI backends, the loader benchmark and a memory report.
+#   scripts/gpu_check.sh OUTDIR
+# Writes at most 8 files into OUTDIR: log.txt (everything, with a summary at the end), bench-resnet18.{json,png},
+# bench-resnet50.{json,png}, loaders.{json,png}, memory.json. Works with the machine's own python3 and
+# PYTHONPATH=. (no .venv needed); wheels in .whl/ (scripts/gpu_wheels.sh) are installed first when present.
+# What is missing (DALI, webdataset, pytest) is skipped with the reason in the log, never silently.
+set -uo pipefail
+OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+LOG="$OUT/log.txt"
+: > "$LOG"
+PY=python3
+[ -x .venv/bin/python ] && PY=.venv/bin/python
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 FASTPIPE_CACHE=/tmp/fastpipe-cache
+if compgen -G ".whl/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/fp-site .whl/*.whl >>"$LOG" 2>&1 \
+    && export PYTHONPATH=/tmp/fp-site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+SUMMARY=()
+note() { echo "$*" | tee -a "$LOG"; SUMMARY+=("$*"); }
+has() { $PY -c "import $1" 2>/dev/null; }
+run() { local t=$1; shift; echo "\$ $*" >>"$LOG"; timeout "$t" "$@" >>"$LOG" 2>&1; }
+
+note "== $(date -u +%FT%TZ) $($PY -c 'import torch, torchvision; print("torch", torch.__version__, "torchvision", torchvision.__version__, "cuda", torch.cuda.is_available())')"
+run 60 $PY -m fastpipe doctor
+has nvidia.dali || note "SKIP DALI rows: nvidia.dali is not installed here (the dali rows say 'skipped' in the JSON)"
+has webdataset || note "SKIP webdataset-only tests and the docs-pipeline baseline: webdataset is not installed here"
+
+# 1. gpu-marked tests
+if has pytest; then
+  run 240 $PY -m pytest -m gpu -q -p no:cacheprovider tests/; rc=$?
+  note "gpu tests: exit $rc ($(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$LOG" | tail -1))"
+else
+  note "SKIP gpu tests: pytest is not installed here"
+fi
+
+# 2. demo data at full resolution, converted once (16 cores: about a minute)
+DATA=/tmp/fp-gpu
+if [ ! -f "$DATA/shards/dataset.json" ]; then
+  run 200 $PY -m fastpipe demo-data "$DATA/raw" --count 400 && \
+  run 120 $PY -m fastpipe shard "$DATA/raw" "$DATA/shards" --max-shard-size 16MB
+fi
+note "shards: $($PY -c "from fastpipe.manifest import load; m=load('$DATA/shards'); print({k: v.samples for k, v in m.splits.items()})" 2>&1)"
+
+# 3. loader or GPU? resnet18 and resnet50, every backend
+for model in resnet18 resnet50; do
+  run 150 $PY -m fastpipe bench "$DATA/shards" --model "$model" --backend torch,nvjpeg,dali --batch-size 128 \
+    --steps 15 --json "$OUT/bench-$model.json" --plot "$OUT/bench-$model.png"
+  note "bench $model: exit $? $(grep -E '^(loader-bound|device-bound|balanced)' "$LOG" | tail -1)"
+done
+
+# 4. loaders alone (GPU rows included) and the memory report
+ONLY=""; has webdataset || ONLY="--only fastpipe"
+run 120 $PY benchmarks/bench_loaders.py --shards "$DATA/shards" --workers 8 --window-images 4096 $ONLY \
+  --json "$OUT/loaders.json" --plot "$OUT/loaders.png"
+note "loader benchmark: exit $?"
+run 90 $PY -m fastpipe memory --model resnet50 --batch-size 128 --amp fp16 --gpu-memory 8GB --json "$OUT/memory.json"
+note "memory report: exit $?"
+
+echo "== summary" >>"$LOG"
+printf '%s\n' "${SUMMARY[@]}" | tee -a "$LOG" >/dev/null
+echo "results in $OUT"
