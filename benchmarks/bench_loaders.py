@@ -185,7 +185,7 @@ def main(args) -> dict:
         if args.plot:
             plot(rows, best, args.plot,
                  f"Loaders alone, batch {args.batch_size}, {args.image_size}px, stored short side "
-                 f"{m.settings.get('short_side')}; dashed: the single-process bound per core")
+                 f"{m.settings.get('short_side')}\n[Nw] = N workers; dashed: the single-process bound per core")
         return result
     finally:
         if not args.shards:

@@ -262,7 +262,7 @@ def shard(cfg: ShardConfig) -> Summary:
     clock = _Clock(summary.phases, start)
     try:
         clock.lap("start")
-        hashes, early = plan.hash_files(source, pool)
+        hashes, early = plan.hash_files(source, workers)
         clock.lap("hash")
         items, duplicates = plan.deduplicate(list(source.items), hashes)
         by_split = plan.split_items(items, cfg.val_fraction, cfg.seed)

@@ -10,7 +10,7 @@ import hashlib
 import os
 from collections import defaultdict
 from dataclasses import dataclass
-from multiprocessing.pool import Pool
+from multiprocessing.pool import ThreadPool
 from pathlib import Path
 
 import numpy as np
@@ -34,9 +34,13 @@ def _hash_one(path: str) -> tuple[str, int] | str:
     return hashlib.sha256(data).hexdigest(), len(data)
 
 
-def hash_files(source: Source, pool: Pool | None) -> tuple[dict[str, str], list[Rejection]]:
-    """sha256 of every file (one read each; the duplicate check needs it before any decoding)."""
+def hash_files(source: Source, threads: int) -> tuple[dict[str, str], list[Rejection]]:
+    """sha256 of every file (one read each; the duplicate check needs it before any decoding).
+
+    Threads, not the process pool: reading and hashlib release the GIL, and the conversion processes can
+    finish starting up (importing numpy and Pillow) meanwhile."""
     paths = [str(source.root / i.path) for i in source.items]
+    pool = ThreadPool(threads) if threads > 1 else None
     results = pool.imap(_hash_one, paths, chunksize=8) if pool else map(_hash_one, paths)
     hashes, rejected = {}, []
     for item, r in tqdm(zip(source.items, results), total=len(paths), desc="hashing", unit="file",
@@ -47,6 +51,8 @@ def hash_files(source: Source, pool: Pool | None) -> tuple[dict[str, str], list[
             rejected.append(Rejection(item.path, "empty", "0 bytes"))
         else:
             hashes[item.path] = r[0]
+    if pool:
+        pool.close()
     return hashes, rejected
 
 
