@@ -293,3 +293,34 @@ def test_side_stream_prefetch_overlaps_without_corruption(converted):
         sums.append(x.double().sum().item())
     again = [x.double().sum().item() for x, _ in loader]
     assert sums == pytest.approx(again)
+
+
+def test_recycled_worker_buffers_never_overwrite_a_batch_in_use(converted):
+    """Normalised output recycles worker buffers, uint8 output does not: holding a whole epoch of both, the
+    normalised batches must equal the normalisation of the uint8 ones, batch for batch."""
+    kw = {**KW, "batch_size": 1, "num_workers": 2, "prefetch_factor": 2, "seed": 3}
+    floats = make_loader(converted, "torch", **kw)
+    uint8 = make_loader(converted, "torch", normalize=False, **kw)
+    assert floats.recycle and not uint8.recycle
+    for epoch in range(2):  # the second epoch reuses the first one's buffers
+        floats.set_epoch(epoch)
+        uint8.set_epoch(epoch)
+        _check_same(list(floats), list(uint8), floats)
+        assert len(floats) > 2 * (2 + 2)  # more batches than the pools hold
+
+
+def _check_same(held_f, held_u, floats):
+    assert len(held_f) == len(held_u)
+    for (xf, yf), (xu, yu) in zip(held_f, held_u):
+        assert torch.equal(yf, yu)
+        assert torch.allclose(xf, floats.step.finish(xu.clone()), atol=1e-5)
+
+
+@pytest.mark.dali
+def test_workers_are_not_forked_from_a_process_holding_dali(converted):
+    """A forked copy of a DALI pipeline hangs in its destructor; with DALI loaded, workers come from forkserver."""
+    dali = make_loader(converted, "dali", split="val", **KW)
+    assert sum(1 for _ in dali) == len(dali)  # a live pipeline in this process
+    torch_loader = make_loader(converted, "torch", split="val", num_workers=2, **KW)
+    assert torch_loader.dataloader.multiprocessing_context.get_start_method() == "forkserver"
+    assert sum(1 for _ in torch_loader) == len(torch_loader)

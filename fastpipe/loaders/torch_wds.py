@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 import warnings
 from collections.abc import Iterator
 
@@ -49,21 +50,56 @@ def _shuffled(samples: Iterator, size: int, rng: np.random.Generator) -> Iterato
     yield from buf
 
 
-def _batch_buffer(n: int, size: int) -> torch.Tensor:
-    """uint8 NHWC batch, in shared memory inside a DataLoader worker: sending it to the main process then
-    costs no copy (what default_collate does for its batches)."""
-    shape = (n, size, size, 3)
-    if get_worker_info() is None:
-        return torch.empty(shape, dtype=torch.uint8)
-    storage = torch.UntypedStorage._new_shared(n * size * size * 3)
-    return torch.tensor([], dtype=torch.uint8).set_(storage).view(shape)
+class BufferPool:
+    """uint8 NHWC batch buffers, in shared memory inside DataLoader workers, reused once released.
+
+    A batch in shared memory crosses to the main process without a copy (what default_collate does), but a
+    fresh 10 MB buffer per batch costs its first-touch page faults (about a fifth of the decode time here:
+    benchmarks/bench_loaders.py). So each worker keeps up to `ring` buffers and reuses one only after the main
+    process has released it explicitly, through a shared flag, once it has copied the batch out (into a float
+    tensor, or a pinned and device copy). Nothing depends on DataLoader's scheduling; when no buffer is free
+    (or the caller keeps the buffer itself: uint8 output on the CPU) a fresh one is allocated, as before.
+    """
+
+    def __init__(self, workers: int, ring: int, batch: int, size: int):
+        self.shape, self.ring = (batch, size, size, 3), ring
+        self.free = torch.zeros((max(workers, 1), max(ring, 1)), dtype=torch.int8).share_memory_()
+        self.pool: list[torch.Tensor] = []  # this worker's buffers (filled inside the worker process)
+
+    def _new(self) -> torch.Tensor:
+        if get_worker_info() is None:
+            return torch.empty(self.shape, dtype=torch.uint8)
+        storage = torch.UntypedStorage._new_shared(int(np.prod(self.shape)))
+        return torch.tensor([], dtype=torch.uint8).set_(storage).view(self.shape)
+
+    def take(self) -> tuple[torch.Tensor, int]:
+        """A buffer and its slot id (-1: not pooled, never released)."""
+        info = get_worker_info()
+        if info is None or not self.ring:
+            return self._new(), -1
+        flags = self.free[info.id]
+        for slot, buffer in enumerate(self.pool):
+            if flags[slot] == 1:
+                flags[slot] = 0
+                return buffer, info.id * self.ring + slot
+        if len(self.pool) < self.ring:
+            self.pool.append(self._new())
+            flags[len(self.pool) - 1] = 0
+            return self.pool[-1], info.id * self.ring + len(self.pool) - 1
+        return self._new(), -1
+
+    def release(self, slot: int) -> None:
+        if slot >= 0:
+            self.free.view(-1)[slot] = 1
 
 
 class SampleStream(IterableDataset):
     """One DataLoader worker's share of the epoch (see epoch.py), as ready batches."""
 
-    def __init__(self, shards: ShardSet, cfg: LoaderConfig, weights, mode: str = "decode"):
+    def __init__(self, shards: ShardSet, cfg: LoaderConfig, weights, mode: str = "decode",
+                 buffers: BufferPool | None = None):
         self.shards, self.cfg, self.weights, self.mode = shards, cfg, list(weights), mode
+        self.buffers = buffers or BufferPool(1, 0, cfg.batch_size, cfg.image_size)
         # Shared memory, so that set_epoch reaches persistent workers.
         self.epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
         self.batches = batches_per_epoch(cfg.split, shards.total, cfg.batch_size, cfg.world_size)
@@ -100,7 +136,7 @@ class SampleStream(IterableDataset):
 
     def _assemble(self, samples, size: int, rng, limit: int) -> tuple:
         """Up to `size` good samples from `samples`, trying at most `limit`; decoded into one batch buffer."""
-        buffer = _batch_buffer(size, self.cfg.image_size) if self.mode == "decode" else None
+        buffer, slot = self.buffers.take() if self.mode == "decode" else (None, -1)
         items, tried = [], 0
         while len(items) < size:
             sample = next(samples, None)
@@ -110,11 +146,11 @@ class SampleStream(IterableDataset):
             if tried > limit and self.cfg.split == "train":
                 raise SampleError(f"{tried} samples tried for one batch of {size}: the shards are mostly "
                                   f"undecodable; run `fastpipe inspect --verify`")
-            out = buffer[len(items)].numpy() if buffer is not None else None
+            out = buffer[len(items)].numpy() if buffer is not None else None  # decode straight into the batch
             x = self._prepare(sample, rng, out)
             if x is not None:
                 items.append(x)
-        return self._collate(items, tried, buffer)
+        return self._collate(items, tried, buffer, slot)
 
     def _prepare(self, s: RawSample, rng, out=None):
         """Decode + augment (mode decode), read the header and draw the crop (bytes), or pass the bytes (raw)."""
@@ -141,7 +177,7 @@ class SampleStream(IterableDataset):
             warnings.warn(f"skipping {msg}", stacklevel=2)
             return None
 
-    def _collate(self, items: list, tried: int, buffer: torch.Tensor | None) -> tuple:
+    def _collate(self, items: list, tried: int, buffer: torch.Tensor | None, slot: int) -> tuple:
         skipped = tried - len(items)
         if self.mode == "raw":
             return [it[0] for it in items], [np.array([it[1]], dtype=np.int32) for it in items], skipped
@@ -150,7 +186,20 @@ class SampleStream(IterableDataset):
             boxes = torch.tensor([it[1] for it in items], dtype=torch.int64).reshape(-1, 4)
             flips = torch.tensor([it[2] for it in items], dtype=torch.bool)
             return [it[0] for it in items], boxes, flips, labels, skipped
-        return buffer[: len(items)], labels, skipped
+        return buffer[: len(items)], labels, skipped, slot
+
+
+def _worker_context():
+    """fork (fast, the default) unless this process holds DALI: a forked copy of a DALI pipeline hangs in its
+    destructor when the child's garbage collector meets it (seen here). Then forkserver: workers fork from a
+    clean server process that has imported this module once."""
+    if "nvidia.dali" not in sys.modules:
+        return None
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
 
 
 class TorchLoader(Loader):
@@ -161,11 +210,16 @@ class TorchLoader(Loader):
         super().__init__(manifest, cfg)
         self.shards = ShardSet(manifest, self.cfg.split)
         self.num_workers = self._pick_workers()
-        self.dataset = SampleStream(self.shards, self.cfg, manifest.class_weights(), self.mode)
         w = self.num_workers
+        # Buffers are recycled when every batch is copied out before the caller sees it (see BufferPool).
+        self.recycle = self.mode == "decode" and (self.cfg.normalize or self.device.type == "cuda")
+        self.buffers = BufferPool(w, self.cfg.prefetch_factor + 2 if self.recycle else 0, self.cfg.batch_size,
+                                  self.cfg.image_size)
+        self.dataset = SampleStream(self.shards, self.cfg, manifest.class_weights(), self.mode, self.buffers)
         self.dataloader = DataLoader(
             self.dataset, batch_size=None, num_workers=w, pin_memory=self.cfg.pin_memory,
-            persistent_workers=w > 0, prefetch_factor=self.cfg.prefetch_factor if w > 0 else None)
+            persistent_workers=w > 0, prefetch_factor=self.cfg.prefetch_factor if w > 0 else None,
+            multiprocessing_context=_worker_context() if w > 0 else None)
 
     def _pick_workers(self) -> int:
         if self.cfg.num_workers is not None:
@@ -179,4 +233,15 @@ class TorchLoader(Loader):
 
     def _host_batches(self):
         self.dataset.epoch[0] = self.epoch
+        if self.recycle:
+            # Idle workers between epochs: nothing is being written, and iter() drops the batches an epoch
+            # abandoned half-way left in flight, so every pooled buffer is free again.
+            self.buffers.free.fill_(1)
         return iter(self.dataloader)
+
+    def _to_device(self, batch):
+        images, labels, skipped, slot = batch
+        x, y = self.step.images(images), self.step.labels(labels)
+        if self.recycle:
+            self.buffers.release(slot)  # x is new memory now (float, or a device copy): the worker may reuse it
+        return x, y, skipped
