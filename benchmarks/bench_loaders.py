@@ -9,6 +9,7 @@ Targets (CPU): torch backend >= 2x the plain webdataset pipeline, and >= 0.8 x w
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -164,6 +165,8 @@ def main(args) -> dict:
                 except ImportError as e:
                     print(f"skipped {name}: {e}")
                     continue
+                finally:
+                    gc.collect()  # free DALI pipelines before the next variant forks its workers
                 r["vs_bound"] = r["img_per_s"] / (best * workers)
         print("per-core bound, decode + random-resized-crop + flip -> uint8, one process: "
               + ", ".join(f"{k} {v:,.0f} img/s" for k, v in per_core.items()))
