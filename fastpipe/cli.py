@@ -258,7 +258,9 @@ def _add_bench(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="fastpipe", description=__doc__.splitlines()[0] if __doc__ else None)
+    import fastpipe
+
+    ap = argparse.ArgumentParser(prog="fastpipe", description=fastpipe.__doc__)
     ap.add_argument("--version", action="version", version=f"fastpipe {__version__}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

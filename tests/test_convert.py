@@ -276,7 +276,7 @@ def test_inspect_verify_finds_a_damaged_shard(tmp_path, folder):
 def test_cli_help_and_clear_errors(tmp_path):
     from fastpipe.cli import main, parse_size
 
-    for cmd in ("shard", "demo-data", "index", "inspect", "merge", "doctor"):
+    for cmd in ("shard", "demo-data", "index", "inspect", "merge", "doctor", "train", "memory", "bench", "runs"):
         with pytest.raises(SystemExit) as e:
             main([cmd, "--help"])
         assert e.value.code == 0
