@@ -324,3 +324,17 @@ def test_workers_are_not_forked_from_a_process_holding_dali(converted):
     torch_loader = make_loader(converted, "torch", split="val", num_workers=2, **KW)
     assert torch_loader.dataloader.multiprocessing_context.get_start_method() == "forkserver"
     assert sum(1 for _ in torch_loader) == len(torch_loader)
+
+
+def test_reuse_output_keeps_each_batch_valid_until_the_next(converted):
+    """uint8 on the CPU with reuse_output: a batch compared right away (before the next is asked for) equals
+    the same batch from a loader that allocates a fresh buffer for every batch."""
+    kw = {**KW, "batch_size": 1, "num_workers": 2, "prefetch_factor": 2, "seed": 4, "normalize": False}
+    reused = make_loader(converted, "torch", reuse_output=True, **kw)
+    fresh = make_loader(converted, "torch", **kw)
+    assert reused.recycle and not fresh.recycle
+    n = 0
+    for (xr, yr), (xf, yf) in zip(reused, fresh):
+        assert torch.equal(xr, xf) and torch.equal(yr, yf)
+        n += 1
+    assert n == len(reused) > 2 * (2 + 2)

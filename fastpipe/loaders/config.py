@@ -28,6 +28,9 @@ class LoaderConfig:
     min_scale: float = 0.08  # RandomResizedCrop's area range lower bound (torchvision's default)
     val_crop: float = 0.875  # val: resize the short side to image_size / val_crop, then centre crop
     cpu_decoder: str = "auto"  # torch backend: "simplejpeg" (+ OpenCV), "pillow", or auto (the first, else Pillow)
+    # uint8 output on the CPU hands out the workers' shared-memory buffer itself. True: a batch stays valid only
+    # until the next one is requested (DALI's rule), and buffers are reused instead of allocated per batch.
+    reuse_output: bool = False
 
     def resolved(self) -> LoaderConfig:
         """Fill the None fields from the running process (device, distributed rank)."""

@@ -211,8 +211,11 @@ class TorchLoader(Loader):
         self.shards = ShardSet(manifest, self.cfg.split)
         self.num_workers = self._pick_workers()
         w = self.num_workers
-        # Buffers are recycled when every batch is copied out before the caller sees it (see BufferPool).
-        self.recycle = self.mode == "decode" and (self.cfg.normalize or self.device.type == "cuda")
+        # Buffers are recycled when every batch is copied out before the caller sees it (see BufferPool), or when
+        # the caller promises to be done with a batch when it asks for the next (reuse_output).
+        self.hands_out_buffer = self.device.type == "cpu" and not self.cfg.normalize
+        self.recycle = self.mode == "decode" and (not self.hands_out_buffer or self.cfg.reuse_output)
+        self._held = -1  # the slot of the buffer the caller holds (reuse_output)
         self.buffers = BufferPool(w, self.cfg.prefetch_factor + 2 if self.recycle else 0, self.cfg.batch_size,
                                   self.cfg.image_size)
         self.dataset = SampleStream(self.shards, self.cfg, manifest.class_weights(), self.mode, self.buffers)
@@ -237,11 +240,17 @@ class TorchLoader(Loader):
             # Idle workers between epochs: nothing is being written, and iter() drops the batches an epoch
             # abandoned half-way left in flight, so every pooled buffer is free again.
             self.buffers.free.fill_(1)
+            self._held = -1
         return iter(self.dataloader)
 
     def _to_device(self, batch):
         images, labels, skipped, slot = batch
         x, y = self.step.images(images), self.step.labels(labels)
-        if self.recycle:
+        if not self.recycle:
+            return x, y, skipped
+        if self.hands_out_buffer:  # reuse_output: the previous batch is done now that the next is asked for
+            self.buffers.release(self._held)
+            self._held = slot
+        else:
             self.buffers.release(slot)  # x is new memory now (float, or a device copy): the worker may reuse it
         return x, y, skipped
