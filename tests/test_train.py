@@ -201,3 +201,15 @@ def test_memory_prediction_within_ten_percent(model):
     predicted = analyse(c, techniques=False).total_mb(64)
     measured = cuda_peak(c, 64, torch.device("cuda")) / 2**20
     assert abs(predicted - measured) / measured < 0.10, (predicted, measured)
+
+
+def test_resume_drops_epochs_logged_after_the_last_checkpoint(tmp_path):
+    """A kill between logging epoch e and saving its checkpoint: resuming redoes epoch e, logged once."""
+    from fastpipe.train.runs import Run
+
+    run = Run(tmp_path / "r")
+    run.start({"train": {}}, resume=False)
+    for e in range(3):
+        run.log({"epoch": e})
+    run.truncate_metrics(2)  # the checkpoint holds epochs 0-1
+    assert [m["epoch"] for m in run.metrics()] == [0, 1]
