@@ -120,7 +120,7 @@ def check_dali() -> Check:
         torch_major = (torch.version.cuda or "").split(".")[0]
     except Exception:
         torch_major = ""
-    if torch_major and torch_major != dali_major[:len(torch_major)]:
+    if torch_major and torch_major != dali_major:
         return Check("WARN", "DALI", f"{dist} {version} (CUDA {dali_major}) but torch uses CUDA {torch_major}",
                      f"install nvidia-dali-cuda{torch_major}0 so both share one CUDA runtime")
     return Check("OK", "DALI", f"{dist} {version}")
@@ -145,10 +145,9 @@ def check_pillow() -> list[Check]:
 
 
 def check_cpu() -> Check:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    from fastpipe.loaders.workers import heuristic_workers
+    from fastpipe.loaders.workers import heuristic_workers, usable_cores
 
-    return Check("OK", "CPU cores", f"{cores} usable; suggested loader workers {heuristic_workers()} "
+    return Check("OK", "CPU cores", f"{usable_cores()} usable; suggested loader workers {heuristic_workers()} "
                  "(num_workers=None measures the best count per data set)")
 
 

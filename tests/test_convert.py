@@ -305,3 +305,25 @@ def test_doctor_runs_and_reports(capsys):
     assert run_doctor() == 0  # nothing on a CPU-only machine is broken
     out = capsys.readouterr().out
     assert "torch build" in out and "Pillow" in out and "CPU cores" in out
+
+
+def test_missing_or_damaged_manifest_says_what_to_run(tmp_path):
+    from fastpipe.manifest import ManifestError
+
+    with pytest.raises(ManifestError, match="fastpipe shard"):
+        load(tmp_path)
+    (tmp_path / "dataset.json").write_text("{not json")
+    with pytest.raises(ManifestError, match="damaged"):
+        load(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "fastpipe", "inspect", str(tmp_path / "nowhere")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "fastpipe shard" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_index_refuses_text_labels_with_the_fix(tmp_path):
+    from fastpipe.convert.foreign import IndexConfig, index_shards
+
+    with wds.TarWriter(str(tmp_path / "t.tar")) as sink:
+        sink.write({"__key__": "a", "jpg": photo(COLORS["red"]), "cls": b"red"})
+    with pytest.raises(ValueError, match="not an integer class index"):
+        index_shards(IndexConfig([tmp_path / "t.tar"]))

@@ -22,6 +22,7 @@ from fastpipe.convert import images, plan, previews
 from fastpipe.convert.journal import Journal, SplitProgress
 from fastpipe.convert.sources import Rejection, discover
 from fastpipe.convert.writer import ShardWriter
+from fastpipe.loaders.workers import usable_cores
 from fastpipe.manifest import Components, Manifest, SplitInfo, Stats, write_json_atomic
 
 SPLITS = ("train", "val")
@@ -256,7 +257,7 @@ def shard(cfg: ShardConfig) -> Summary:
     source = discover(cfg.src)
     cfg.out.mkdir(parents=True, exist_ok=True)
     summary = Summary(cfg.out, discovered=len(source.items) + len(source.rejections))
-    workers = cfg.workers or plan.default_workers()
+    workers = cfg.workers or usable_cores()
     pool = _make_pool(workers, cfg.image_settings()) if workers > 1 else None
     _init_worker(cfg.image_settings())
     clock = _Clock(summary.phases, start)

@@ -7,7 +7,6 @@ cluster job compute the same plan independently.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections import defaultdict
 from dataclasses import dataclass
 from multiprocessing.pool import ThreadPool
@@ -116,7 +115,3 @@ def plan_fingerprint(settings: dict, splits: dict[str, list[Sample]], hashes: di
         for s in splits[name]:
             h.update(f"{name}\0{s.pos}\0{s.path}\0{s.label}\0{hashes[s.path]}\n".encode())
     return h.hexdigest()
-
-
-def default_workers() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

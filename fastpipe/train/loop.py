@@ -152,7 +152,7 @@ class Trainer:
                 elapsed = time.perf_counter() - start
                 bar.set_postfix(img_s=f"{n * self.dist.world / elapsed:.0f}", wait=f"{100 * wait / elapsed:.0f}%",
                                 loss=f"{loss_sum.item() / (i + 1):.3f}")
-        it.close() if hasattr(it, "close") else None
+        it.close()  # an epoch cut short by --accum-steps: release the loader's iterator now
         bar.close()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the clock is read after the device has finished
