@@ -45,7 +45,8 @@ def png_shards(tmp_path_factory):
 
 
 def test_slow_loader_is_judged_loader_bound(png_shards):
-    r = run_one(BenchConfig(str(png_shards), model="mobilenet_v3_small", batch_size=8, image_size=32, workers=0,
+    # batch 24: the model alone runs 4-5x faster than the PNG loader here (1 and 2 threads), so the verdict has margin
+    r = run_one(BenchConfig(str(png_shards), model="mobilenet_v3_small", batch_size=24, image_size=32, workers=0,
                             **QUICK))
     assert r["verdict"] == "loader-bound", r["verdict_text"]
     assert r["end_to_end"]["data_wait"] > 0.5

@@ -27,7 +27,9 @@ def cfg(data, out, **kw) -> TrainConfig:
 
 
 def test_short_run_learns_and_records_everything(converted, tmp_path):
-    run = train(cfg(converted, tmp_path / "runs" / "a", epochs=3, lr=0.05))
+    # AdamW 1e-3: reached val acc 1.0 in 8 of 8 runs (seeds 0-3 x 1 and 2 threads); SGD at lr 0.05 or 0.02 with
+    # batch 8 diverged in some of them (0.22-0.78). The threshold keeps a wide margin below what it reaches.
+    run = train(cfg(converted, tmp_path / "runs" / "a", epochs=3, optimizer="adamw", lr=1e-3))
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["epoch"] for m in metrics] == [0, 1, 2]
     assert metrics[-1]["val_acc"] > 0.8  # chance is 1/3: the colours are learnable
