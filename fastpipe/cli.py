@@ -1,39 +1,110 @@
-"""Command line: argparse subcommands → config dataclasses → the functions that do the work. Nothing else."""
+"""Command line: argparse subcommands → config dataclasses → the functions that do the work. Nothing else.
+
+Each subcommand's flags are generated from its config dataclass (fastpipe.options.opt: help, default and parser
+in one place). A `FastpipeError` prints as one line (what, allowed, fix); anything else is a bug and keeps its
+traceback. Ctrl-C and SIGTERM end every command with a line that says how to continue.
+"""
 
 from __future__ import annotations
 
 import argparse
-import re
+import errno
+import signal
 import sys
+import typing
+from dataclasses import MISSING, fields
 from pathlib import Path
 
 from fastpipe import __version__
+from fastpipe.errors import FastpipeError
 
-_UNITS = {"": 1, "B": 1, "K": 1024, "KB": 1024, "M": 1024**2, "MB": 1024**2, "G": 1024**3, "GB": 1024**3}
-
-
-def parse_size(text: str) -> int:
-    """'256MB', '64k', '1.5G', '1000000' → bytes (binary units)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-    unit = m.group(2).upper().replace("IB", "B") if m else None
-    if not m or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size: use e.g. 256MB, 64KB, 2GB")
-    return int(float(m.group(1)) * _UNITS[unit])
+# OS errors that are the environment's, not a bug: reported in one line with the file they concern.
+ENV_ERRNOS = {errno.ENOSPC, errno.EACCES, errno.EROFS, errno.EDQUOT, errno.EPERM, errno.ENOENT, errno.EIO,
+              errno.EMFILE, errno.ENAMETOOLONG, errno.EISDIR, errno.ENOTDIR}
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (Slurm, Kubernetes, a spot instance going away), handled like Ctrl-C: clean up and say so."""
+
+
+# -- flags from config dataclasses ------------------------------------------------------------------------
+def _argtype(parse):
+    """argparse shows only ArgumentTypeError messages; ours explain the fix, so pass them through."""
+    def wrapped(text):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    wrapped.__name__ = getattr(parse, "__name__", "value")
+    return wrapped
+
+
+def _base_type(hint):
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args and typing.get_origin(hint) in (typing.Union, __import__("types").UnionType)\
+        else hint
+
+
+def _default(f):
+    if f.default is not MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not MISSING else None
+
+
+def _sweep(parse):
+    return lambda text: [parse(x.strip()) for x in str(text).split(",") if x.strip()]
+
+
+def add_config(p: argparse.ArgumentParser, cls, skip=()) -> None:
+    """One flag per field of `cls` with opt() metadata: --field-name, its help and default from the field.
+    Defaults are left out of the namespace (SUPPRESS), so `config_from` knows what the user typed."""
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        m = f.metadata
+        if not m or not m.get("cli", True) or f.name in skip:
+            continue
+        kind, default = _base_type(hints[f.name]), _default(f)
+        parse = m["parse"] or (kind if kind in (int, float, str) else str)
+        shown = "" if default in (None, False, "", []) or m["positional"] else f" (default: {default})"
+        if m["positional"]:
+            p.add_argument(f.name, metavar=m["flag"] or f.name.upper(), nargs=m["nargs"], type=_argtype(parse),
+                           help=m["help"])
+        elif kind is bool:
+            action = "store_true" if default is False else argparse.BooleanOptionalAction
+            p.add_argument(m["flag"] or f"--{f.name.replace('_', '-')}", dest=f.name, action=action,
+                           default=argparse.SUPPRESS, help=m["help"] + shown)
+        else:
+            parse = _sweep(parse) if m["sweep"] else parse
+            help_ = m["help"] + shown + (" (comma-separated values are swept)" if m["sweep"] else "")
+            p.add_argument(m["flag"] or f"--{f.name.replace('_', '-')}", dest=f.name, type=_argtype(parse),
+                           choices=None if m["sweep"] else m["choices"], nargs=m["nargs"],
+                           default=argparse.SUPPRESS, help=help_)
+
+
+def given(args: argparse.Namespace, cls) -> dict:
+    """The settings of `cls` the user typed (and the positionals)."""
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in vars(args).items() if k in names}
+
+
+def config_from(args: argparse.Namespace, cls, **extra):
+    return cls(**{**given(args, cls), **extra})
+
+
+# -- commands ---------------------------------------------------------------------------------------------
 def _cmd_demo_data(a) -> int:
     from fastpipe.demo import DemoConfig, make_demo_data
 
-    counts = make_demo_data(DemoConfig(Path(a.out), a.count, a.width, a.height, a.seed, a.workers))
-    print(f"wrote {sum(counts.values())} photos to {a.out}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    cfg = config_from(a, DemoConfig)
+    counts = make_demo_data(cfg)
+    print(f"wrote {sum(counts.values())} photos to {cfg.out}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
     return 0
 
 
 def _cmd_shard(a) -> int:
     from fastpipe.convert.driver import ShardConfig, shard
 
-    cfg = ShardConfig(Path(a.src), Path(a.out), a.short_side, a.quality, a.val_fraction, a.seed,
-                      a.max_shard_size, a.max_pixels, a.workers, a.overwrite, a.part, a.parts)
+    cfg = config_from(a, ShardConfig)
     summary = shard(cfg)
     print("\n".join(summary.lines()))
     if cfg.parts > 1:
@@ -54,40 +125,33 @@ def _cmd_merge(a) -> int:
 
 
 def _cmd_index(a) -> int:
-    from fastpipe.convert.foreign import IndexConfig, index_shards
+    from fastpipe.convert.foreign import IndexConfig, index_only, index_shards
 
-    manifest = index_shards(IndexConfig([Path(s) for s in a.shards], Path(a.out) if a.out else None,
-                                        a.val, a.classes, a.stats_samples))
+    cfg = config_from(a, IndexConfig)
+    if cfg.idx_only:
+        n = index_only([Path(p) for p in [*cfg.train, *cfg.val]])
+        print(f"wrote .idx files for {len(cfg.train) + len(cfg.val)} shards ({n} samples); no manifest touched")
+        return 0
+    manifest = index_shards(cfg)
     print(f"indexed {sum(s.samples for s in manifest.splits.values())} samples in "
-          f"{sum(len(s.shards) for s in manifest.splits.values())} shards -> {manifest.root / 'dataset.json'}")
+          f"{sum(len(s.shards) for s in manifest.splits.values())} shards -> {manifest.root / 'dataset.json'}"
+          + (f"\nnote: {manifest.settings['note']}" if manifest.settings.get("note") else ""))
     return 0
 
 
 def _cmd_inspect(a) -> int:
     from fastpipe.convert.inspect import inspect
 
-    report = inspect(Path(a.out), verify=a.verify)
+    report = inspect(Path(a.out), verify=a.verify, repair=a.repair)
     print("\n".join(report.lines))
     return 0 if report.ok else 1
 
 
 def _cmd_train(a) -> int:
     from fastpipe.train.config import TrainConfig
-    from fastpipe.train.loop import TrainingStopped, train
+    from fastpipe.train.session import train_from_cli
 
-    cfg = TrainConfig(
-        data=a.data, model=a.model, backend=a.backend, epochs=a.epochs, batch_size=a.batch_size, lr=a.lr,
-        optimizer=a.optimizer, momentum=a.momentum, nesterov=not a.no_nesterov, weight_decay=a.weight_decay,
-        warmup_epochs=a.warmup_epochs, label_smoothing=a.label_smoothing, image_size=a.image_size,
-        progressive=a.progressive, amp=a.amp, accum_steps=a.accum_steps, channels_last=a.channels_last,
-        checkpoint_activations=a.checkpoint_activations, compile=a.compile, device=a.device, workers=a.workers,
-        out=a.out, resume=a.resume, stop_after=a.stop_after, seed=a.seed, pretrained=a.pretrained,
-        balance=a.balance, class_weighted_loss=a.class_weighted_loss, sync_bn=a.sync_bn, auto_batch=a.auto_batch)
-    try:
-        run = train(cfg)
-    except TrainingStopped as e:
-        print(f"fastpipe train: stopped: {e}", file=sys.stderr)
-        return 3
+    run = train_from_cli(given(a, TrainConfig))
     print(f"run folder: {run}")
     return 0
 
@@ -97,14 +161,12 @@ def _cmd_memory(a) -> int:
 
     from fastpipe.train.memory import MemoryConfig, analyse, format_report
 
-    classes = a.num_classes
+    extra = {}
     if a.data:
         from fastpipe.manifest import load
 
-        classes = load(a.data).num_classes
-    cfg = MemoryConfig(a.model, a.image_size, a.batch_size, a.optimizer, a.amp, classes, a.device, a.gpu_memory,
-                       a.checkpoint_activations)
-    report = analyse(cfg, techniques=not a.no_techniques)
+        extra["num_classes"] = load(a.data).num_classes
+    report = analyse(config_from(a, MemoryConfig, **extra), techniques=not a.no_techniques)
     print(format_report(report))
     if a.json:
         Path(a.json).write_text(json.dumps(report.as_dict(), indent=2))
@@ -118,31 +180,12 @@ def _cmd_runs(a) -> int:
     return 0
 
 
-def _list(text: str, cast=str) -> list:
-    return [cast(x.strip()) for x in str(text).split(",") if x.strip()]
-
-
-def _workers(x: str):
-    return None if x == "auto" else int(x)
-
-
-def _onoff(x: str):
-    if x not in ("on", "off", "auto"):
-        raise argparse.ArgumentTypeError(f"{x!r}: use on, off or auto")
-    return {"on": True, "off": False, "auto": None}[x]
-
-
 def _cmd_bench(a) -> int:
-    from fastpipe.bench.harness import BenchConfig, run_sweep
+    from fastpipe.bench.harness import BenchConfig, run_sweep, split_sweep
     from fastpipe.bench.report import plot, table, write_json
 
-    base = BenchConfig(data=a.data, model=a.model, device=a.device, amp=a.amp, steps=a.steps, windows=a.windows,
-                       channels_last=a.channels_last, max_seconds=a.max_seconds)
-    sweep = {"backend": _list(a.backend), "workers": _list(a.workers, _workers),
-             "batch_size": _list(a.batch_size, int), "image_size": _list(a.image_size, int),
-             "pin_memory": _list(a.pin_memory, _onoff)}
-    result = run_sweep(base, sweep, on_row=lambda r: print(
-        f"  measured {r['config']['backend']}: {r.get('verdict', r.get('skipped', ''))[:70]}", flush=True))
+    base, sweep = split_sweep(given(a, BenchConfig))
+    result = run_sweep(BenchConfig(**base), sweep, log=lambda line: print(line, flush=True))
     print(table(result))
     if a.json:
         write_json(result, a.json)
@@ -159,162 +202,91 @@ def _cmd_doctor(a) -> int:
     return run_doctor()
 
 
-def _add_shard(sub) -> None:
-    p = sub.add_parser("shard", help="convert raw images into WebDataset shards (once)",
-                       description="Convert an ImageFolder tree or a path,label list into shards of clean, "
-                                   "downsampled RGB JPEGs with dataset.json, .idx files, previews and "
-                                   "rejected.jsonl. Rerunning resumes; other settings need --overwrite.")
-    p.add_argument("src", help="folder of class folders (optionally train/ and val/), or a CSV/TXT list")
-    p.add_argument("out", help="output folder")
-    p.add_argument("--short-side", type=int, default=320, help="stored shorter side in pixels, never upscaled")
-    p.add_argument("--quality", type=int, default=90, help="JPEG quality of the stored images")
-    p.add_argument("--val-fraction", type=float, default=0.1, help="stratified validation share "
-                   "(ignored when SRC has train/ and val/ folders)")
-    p.add_argument("--seed", type=int, default=0, help="seed for split and shuffle")
-    p.add_argument("--max-shard-size", type=parse_size, default="256MB", help="e.g. 256MB, 64MB")
-    p.add_argument("--max-pixels", type=int, default=200_000_000, help="refuse larger images (bomb guard)")
-    p.add_argument("--workers", type=int, default=0, help="processes; 0 = every core")
-    p.add_argument("--overwrite", action="store_true", help="replace a conversion made with other settings")
-    p.add_argument("--part", type=int, default=0, help="this part's number, for cluster array jobs")
-    p.add_argument("--parts", type=int, default=1, help="number of independent parts (then: fastpipe merge)")
-    p.set_defaults(func=_cmd_shard)
-
-
-def _add_train(sub) -> None:
-    p = sub.add_parser("train", help="train a torchvision classifier on converted shards (AMP, DDP, run folder)",
-                       description="Train on a `fastpipe shard` output. Under torchrun: DistributedDataParallel.")
-    p.add_argument("data", help="converter output folder")
-    p.add_argument("--model", default="resnet18", help="torchvision model name (resnet18/50, mobilenet_v3_large, "
-                   "efficientnet_b0, convnext_tiny, vit_b_16, ...)")
-    p.add_argument("--backend", default="torch", help="loader: torch | dali | nvjpeg | synthetic")
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--batch-size", type=int, default=64, help="per device (per micro-batch with --accum-steps)")
-    p.add_argument("--lr", type=float, help="default: 0.1 x effective batch / 256 (SGD), 1e-3 (AdamW)")
-    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--no-nesterov", action="store_true")
-    p.add_argument("--weight-decay", type=float, default=5e-5)
-    p.add_argument("--warmup-epochs", type=float, default=1.0)
-    p.add_argument("--label-smoothing", type=float, default=0.1)
-    p.add_argument("--image-size", type=int, default=224)
-    p.add_argument("--progressive", help="START:END, e.g. 128:224: small images first, full size at the end")
-    p.add_argument("--amp", choices=["fp16", "bf16", "off"], help="default: fp16 (+GradScaler) on CUDA, off on CPU")
-    p.add_argument("--accum-steps", type=int, default=1, help="gradient accumulation: optimizer step every N "
-                   "micro-batches, loss / N. BatchNorm still sees only the micro-batch")
-    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None, help="default: on CUDA")
-    p.add_argument("--checkpoint-activations", action="store_true", help="recompute the deep stages' activations")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda when available)")
-    p.add_argument("--workers", type=int, help="loader workers (default: measured once per machine and data set)")
-    p.add_argument("--out", help="run folder (default runs/<time>-<model>)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
-    p.add_argument("--stop-after", type=int, help="leave after N epochs (resumable), for time-limited jobs")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--pretrained", help="local weights file to start from (no downloads)")
-    p.add_argument("--balance", action="store_true", help="class-balanced sampling")
-    p.add_argument("--class-weighted-loss", action="store_true", help="weight the loss by the class weights")
-    p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across ranks")
-    p.add_argument("--auto-batch", action="store_true", help="find the largest batch that fits before training")
-    p.set_defaults(func=_cmd_train)
-
-
-def _add_memory(sub) -> None:
-    p = sub.add_parser("memory", help="predict the GPU memory of a model + batch before it OOMs")
-    p.add_argument("--model", default="resnet18")
-    p.add_argument("--image-size", type=int, default=224)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
-    p.add_argument("--amp", default="fp16", choices=["fp16", "bf16", "off"])
-    p.add_argument("--num-classes", type=int, default=1000)
-    p.add_argument("--data", help="a converter output folder, for its class count")
-    p.add_argument("--device", help="where to measure (default: cuda when available)")
-    p.add_argument("--gpu-memory", type=parse_size, help="memory to plan for, e.g. 8GB (default: this GPU's)")
-    p.add_argument("--checkpoint-activations", action="store_true")
-    p.add_argument("--no-techniques", action="store_true", help="skip the what-if table (faster)")
-    p.add_argument("--json", help="also write the report as JSON")
-    p.set_defaults(func=_cmd_memory)
-
-
-def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="loader alone, model alone, both: which one limits training?",
-                       description="Three measurements on the same settings and a verdict (loader-bound, "
-                                   "device-bound, balanced) with advice. Comma-separated values sweep.")
-    p.add_argument("data", help="converter output folder")
-    p.add_argument("--model", default="resnet18")
-    p.add_argument("--device", help="cuda, cpu (default: cuda when available)")
-    p.add_argument("--backend", default="torch", help="e.g. torch,dali,nvjpeg")
-    p.add_argument("--workers", default="auto", help="e.g. 1,2,4,auto")
-    p.add_argument("--batch-size", default="64", help="e.g. 32,64")
-    p.add_argument("--image-size", default="224", help="e.g. 160,224")
-    p.add_argument("--pin-memory", default="auto", help="on,off,auto")
-    p.add_argument("--amp", choices=["fp16", "bf16", "off"], help="default: fp16 on CUDA, off on CPU")
-    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--steps", type=int, default=20, help="timed steps per window")
-    p.add_argument("--windows", type=int, default=3, help="timing windows per measurement (median reported)")
-    p.add_argument("--max-seconds", type=float, help="cap each measurement (slow CPU setups)")
-    p.add_argument("--json", help="write every figure, the settings, versions and device here")
-    p.add_argument("--plot", help="PNG of the three rates per configuration, verdict in the title")
-    p.set_defaults(func=_cmd_bench)
+# -- the parser -------------------------------------------------------------------------------------------
+def _configured(sub, name: str, cls, func, hint: str, **kw) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, **kw)
+    add_config(p, cls)
+    p.set_defaults(func=func, interrupt_hint=hint)
+    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
     import fastpipe
+    from fastpipe.bench.harness import BenchConfig
+    from fastpipe.convert.driver import ShardConfig
+    from fastpipe.convert.foreign import IndexConfig
+    from fastpipe.demo import DemoConfig
+    from fastpipe.train.config import TrainConfig
+    from fastpipe.train.memory import MemoryConfig
 
     ap = argparse.ArgumentParser(prog="fastpipe", description=fastpipe.__doc__)
     ap.add_argument("--version", action="version", version=f"fastpipe {__version__}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    p = sub.add_parser("demo-data", help="generate a demo photo collection (leaves and pipelines)")
-    p.add_argument("out")
-    p.add_argument("--count", type=int, default=180, help="number of photos")
-    p.add_argument("--width", type=int, default=3264)
-    p.add_argument("--height", type=int, default=2448)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workers", type=int, default=0, help="processes; 0 = every core")
-    p.set_defaults(func=_cmd_demo_data)
-
-    _add_shard(sub)
-
+    again = "rerun the same command to continue"
+    _configured(sub, "demo-data", DemoConfig, _cmd_demo_data, again,
+                help="generate a demo photo collection (leaves and pipelines)")
+    _configured(sub, "shard", ShardConfig, _cmd_shard, again + " (finished shards are kept)",
+                help="convert raw images into WebDataset shards (once)",
+                description="Convert an ImageFolder tree or a path,label list into shards of clean, downsampled "
+                            "RGB JPEGs with dataset.json, .idx files, previews and rejected.jsonl. Rerunning "
+                            "resumes; other settings need --overwrite.")
     p = sub.add_parser("merge", help="merge the manifests of a --parts conversion")
     p.add_argument("out")
-    p.set_defaults(func=_cmd_merge)
-
-    p = sub.add_parser("index", help="dataset.json and .idx files for shards written by other tools")
-    p.add_argument("shards", nargs="+", help="train shard files (use --val for validation shards)")
-    p.add_argument("--val", nargs="*", default=[], help="validation shard files")
-    p.add_argument("--out", help="folder for dataset.json (default: the shards' folder)")
-    p.add_argument("--classes", help="text file of class names, one per line, in label order")
-    p.add_argument("--stats-samples", type=int, default=2000, help="train images decoded for mean/std")
-    p.set_defaults(func=_cmd_index)
-
-    p = sub.add_parser("inspect", help="summary of a converted data set")
+    p.set_defaults(func=_cmd_merge, interrupt_hint=again)
+    _configured(sub, "index", IndexConfig, _cmd_index, again,
+                help="dataset.json and .idx files for shards written by other tools (--idx-only: the .idx only)")
+    p = sub.add_parser("inspect", help="summary of a converted data set; --verify, --repair")
     p.add_argument("out")
     p.add_argument("--verify", action="store_true", help="check checksums and decode every sample")
-    p.set_defaults(func=_cmd_inspect)
-
-    _add_train(sub)
-    _add_memory(sub)
-    _add_bench(sub)
+    p.add_argument("--repair", action="store_true", help="with --verify's findings: leave undecodable samples out "
+                   "of the .idx files (what DALI needs; the shards are not touched)")
+    p.set_defaults(func=_cmd_inspect, interrupt_hint=again)
+    _configured(sub, "train", TrainConfig, _cmd_train, "see above",
+                help="train a torchvision classifier on converted shards (AMP, DDP, run folder)",
+                description="Train on a `fastpipe shard` output. Under torchrun: DistributedDataParallel.")
+    p = _configured(sub, "memory", MemoryConfig, _cmd_memory, again,
+                    help="predict the GPU memory of a model + batch before it OOMs")
+    p.add_argument("--data", help="a converter output folder, for its class count")
+    p.add_argument("--no-techniques", action="store_true", help="skip the what-if table (faster)")
+    p.add_argument("--json", help="also write the report as JSON")
+    p = _configured(sub, "bench", BenchConfig, _cmd_bench, "the figures measured so far are printed above",
+                    help="loader alone, model alone, both: which one limits training?",
+                    description="Three measurements on the same settings and a verdict (loader-bound, "
+                                "device-bound, balanced) with advice. Comma-separated values sweep.")
+    p.add_argument("--json", help="write every figure, the settings, versions and device here")
+    p.add_argument("--plot", help="PNG of the three rates per configuration, verdict in the title")
     p = sub.add_parser("runs", help="list training runs side by side")
     p.add_argument("root", nargs="?", default="runs")
-    p.set_defaults(func=_cmd_runs)
-
-    p = sub.add_parser("doctor", help="check torch, CUDA, DALI and Pillow on this machine")
-    p.set_defaults(func=_cmd_doctor)
+    p.set_defaults(func=_cmd_runs, interrupt_hint="")
+    p = sub.add_parser("doctor", help="check torch, CUDA, DALI, Pillow and shared memory on this machine")
+    p.set_defaults(func=_cmd_doctor, interrupt_hint="")
     return ap
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return args.func(args)
-    except KeyboardInterrupt:
-        print("interrupted: rerun the same command to resume", file=sys.stderr)
-        return 130
-    except (ValueError, RuntimeError, OSError) as e:
-        # Our own errors say what to do; a traceback would bury that.
+    except KeyboardInterrupt as e:
+        what = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+        print(f"fastpipe {args.command}: {what}" + (f"; {args.interrupt_hint}" if args.interrupt_hint else ""),
+              file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
+    except FastpipeError as e:
         print(f"fastpipe {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        if e.errno not in ENV_ERRNOS:
+            raise
+        print(f"fastpipe {args.command}: error: {e.strerror} ({e.filename or e})", file=sys.stderr)
+        return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,9 @@ every rejection path of the converter shows up in the demo.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
-import os
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
@@ -18,6 +18,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 from tqdm import tqdm
+
+from fastpipe.options import opt, parse_procs
+from fastpipe.util import local_path, usable_cores
 
 # Relative class frequencies: healthy leaves are common, corrosion is rare (20:1).
 CLASSES = {
@@ -32,13 +35,17 @@ CLASSES = {
 
 @dataclass(frozen=True)
 class DemoConfig:
-    out: Path
-    count: int = 180
-    width: int = 3264
-    height: int = 2448
-    seed: int = 0
-    workers: int = 0  # 0 = all cores
-    portrait_fraction: float = 0.2
+    out: Path = opt(None, "folder for the photos (one folder per class)", positional=True)
+    count: int = opt(180, "number of photos")
+    width: int = opt(3264, "photo width in pixels")
+    height: int = opt(2448, "photo height in pixels")
+    seed: int = opt(0, "seed: the same seed gives the same bytes")
+    workers: int | None = opt(None, "processes: a number (0 = in this process) or auto (every core)",
+                              parse=parse_procs)
+    portrait_fraction: float = opt(0.2, "share of photos taken in portrait orientation")
+
+    def __post_init__(self):
+        object.__setattr__(self, "out", local_path(self.out, "OUT"))
 
 
 def class_counts(total: int) -> dict[str, int]:
@@ -166,9 +173,10 @@ def make_demo_data(cfg: DemoConfig) -> dict[str, int]:
     jobs = _plan(cfg)
     for kind in CLASSES:
         (cfg.out / kind).mkdir(parents=True, exist_ok=True)
-    workers = cfg.workers or os.cpu_count() or 1
-    with get_context("spawn").Pool(workers) as pool:
-        for _ in tqdm(pool.imap_unordered(_job, jobs), total=len(jobs), desc="demo photos", unit="img"):
+    workers = usable_cores() if cfg.workers is None else cfg.workers
+    with get_context("spawn").Pool(workers) if workers > 1 else contextlib.nullcontext() as pool:
+        done = pool.imap_unordered(_job, jobs) if pool else map(_job, jobs)
+        for _ in tqdm(done, total=len(jobs), desc="demo photos", unit="img"):
             pass
     # An exact copy (deduplicated by the converter) and the clutter every real folder has.
     first = Path(jobs[0][0])

@@ -145,7 +145,8 @@ def check_pillow() -> list[Check]:
 
 
 def check_cpu() -> Check:
-    from fastpipe.loaders.workers import heuristic_workers, usable_cores
+    from fastpipe.loaders.workers import heuristic_workers
+    from fastpipe.util import usable_cores
 
     return Check("OK", "CPU cores", f"{usable_cores()} usable; suggested loader workers {heuristic_workers()} "
                  "(num_workers=None measures the best count per data set)")

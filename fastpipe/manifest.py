@@ -9,21 +9,25 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+
+from fastpipe.errors import DataError
+from fastpipe.util import write_json_atomic
 
 FORMAT = "fastpipe-dataset"
 VERSION = 1
 MANIFEST_NAME = "dataset.json"
 
 
-class ManifestError(ValueError):
+class ManifestError(DataError):
     """dataset.json is missing, unreadable, or does not describe the shards next to it."""
 
 
 @dataclass(frozen=True)
 class ShardInfo:
-    path: str  # relative to the manifest's folder (or absolute for shards indexed in place)
+    path: str  # relative to the manifest's folder, inside it
     samples: int
     bytes: int
     sha256: str
@@ -90,6 +94,14 @@ class Manifest:
     settings: dict = field(default_factory=dict)
     components: Components = Components()
     root: Path = Path(".")  # the folder holding dataset.json; not serialised
+    # Files written beside the shards, by kind: {"previews": {class: file}, "rejected": file}. With the shard list,
+    # this is what fastpipe owns in the folder (and the only thing `--overwrite` removes).
+    outputs: dict = field(default_factory=dict)
+
+    @property
+    def foreign(self) -> bool:
+        """Shards adopted with `fastpipe index`: the tars are the user's, only the .idx files are ours."""
+        return "indexed_from" in self.settings
 
     @property
     def num_classes(self) -> int:
@@ -137,15 +149,8 @@ class Manifest:
             "class_weights": list(self.class_weights()),
             "stats": asdict(self.stats),
             "settings": self.settings,
+            "outputs": self.outputs,
         }
-
-
-def write_json_atomic(path: Path, data) -> None:
-    """Write JSON under a temporary name and rename, so a reader never sees half a file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def save(manifest: Manifest, folder: Path | None = None) -> Path:
@@ -155,39 +160,129 @@ def save(manifest: Manifest, folder: Path | None = None) -> Path:
 
 
 def from_dict(d: dict, root: Path) -> Manifest:
+    """Build a Manifest from parsed JSON, checking every field on the way (see _Check): one clear ManifestError
+    for a wrong type, a range, a path outside the folder or a count that does not add up."""
+    c = _Check(Path(root))
+    c.expect(isinstance(d, dict), "", "a JSON object")
     if d.get("format") != FORMAT:
         raise ManifestError(f"{root}: not a fastpipe dataset.json (format={d.get('format')!r})")
-    if d.get("version", 0) > VERSION:
-        raise ManifestError(f"{root}: dataset.json version {d['version']} is newer than this fastpipe "
+    if not isinstance(d.get("version", 0), int) or d.get("version", 0) > VERSION:
+        raise ManifestError(f"{root}: dataset.json version {d.get('version')!r} is newer than this fastpipe "
                             f"understands ({VERSION}): upgrade fastpipe")
-    splits = {
-        name: SplitInfo(
-            shards=tuple(ShardInfo(**s) for s in sp["shards"]),
-            class_counts=tuple(sp["class_counts"]),
-        )
-        for name, sp in d["splits"].items()
-    }
-    st = d["stats"]
-    return Manifest(
-        classes=tuple(d["classes"]),
-        splits=splits,
-        stats=Stats(st["pixels"], tuple(st["sum"]), tuple(st["sumsq"])),
-        settings=d.get("settings", {}),
-        components=Components(**d.get("components", {})),
-        root=Path(root),
-    )
+    classes = c.strings(d.get("classes"), "classes")
+    c.expect(len(set(classes)) == len(classes) and classes, "classes", "a non-empty list of distinct names")
+    comp = d.get("components", {})
+    c.expect(isinstance(comp, dict) and all(v is None or (isinstance(v, str) and _EXT.fullmatch(v))
+                                            for v in comp.values()), "components", "file extensions")
+    splits_raw = d.get("splits")
+    c.expect(isinstance(splits_raw, dict) and set(splits_raw) <= {"train", "val"}, "splits",
+             "an object with 'train' and/or 'val'")
+    splits = {name: c.split(sp, f"splits.{name}", len(classes)) for name, sp in splits_raw.items()}
+    paths = [s.path for sp in splits.values() for s in sp.shards]
+    dup = sorted({p for p in paths if paths.count(p) > 1})
+    c.expect(not dup, "splits", f"each shard listed once (listed twice: {dup[:3]})")
+    stats = c.stats(d.get("stats"), splits)
+    settings = d.get("settings", {})
+    c.expect(isinstance(settings, dict), "settings", "an object")
+    try:
+        components = Components(**comp)
+    except TypeError as e:
+        raise ManifestError(f"{root / MANIFEST_NAME}: components: {e}") from None
+    return Manifest(tuple(classes), splits, stats, settings, components, Path(root), c.outputs(d.get("outputs", {})))
+
+
+_EXT = re.compile(r"[A-Za-z0-9_.;-]{1,32}")
+_SHA = re.compile(r"[0-9a-f]{64}")
+
+
+class _Check:
+    """Field checks for from_dict; each failure names the field, what it holds and what is expected."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def expect(self, ok, where: str, expected: str, got=None) -> None:
+        if not ok:
+            held = f" (holds {str(got)[:60]!r})" if got is not None else ""
+            raise ManifestError(f"{self.root / MANIFEST_NAME}: {where or 'the file'} should be {expected}{held}; "
+                                f"re-run the conversion (`fastpipe shard` or `fastpipe index`) to rewrite it")
+
+    def integer(self, v, where: str, low: int = 0) -> int:
+        self.expect(isinstance(v, int) and not isinstance(v, bool) and v >= low, where, f"an integer >= {low}", v)
+        return v
+
+    def strings(self, v, where: str) -> list[str]:
+        self.expect(isinstance(v, list) and all(isinstance(x, str) and x for x in v), where,
+                    "a list of non-empty strings", v)
+        return v
+
+    def inside(self, v, where: str) -> str:
+        """A relative path that stays inside the manifest's folder (no absolute path, no '..')."""
+        self.expect(isinstance(v, str) and v, where, "a file name", v)
+        p = PurePosixPath(v)
+        self.expect(not p.is_absolute() and ".." not in p.parts and "\\" not in v, where,
+                    "a path inside the data set's folder", v)
+        return v
+
+    def shard(self, s, where: str) -> ShardInfo:
+        self.expect(isinstance(s, dict), where, "an object", s)
+        self.expect(isinstance(s.get("sha256"), str) and _SHA.fullmatch(s["sha256"]), f"{where}.sha256",
+                    "a sha256 hex digest", s.get("sha256"))
+        return ShardInfo(self.inside(s.get("path"), f"{where}.path"),
+                         self.integer(s.get("samples"), f"{where}.samples"),
+                         self.integer(s.get("bytes"), f"{where}.bytes", 1024), s["sha256"],
+                         self.inside(s.get("index"), f"{where}.index"))
+
+    def split(self, sp, where: str, k: int) -> SplitInfo:
+        self.expect(isinstance(sp, dict) and isinstance(sp.get("shards"), list), where, "an object with shards", sp)
+        shards = tuple(self.shard(s, f"{where}.shards[{i}]") for i, s in enumerate(sp["shards"]))
+        counts = sp.get("class_counts")
+        self.expect(isinstance(counts, list) and len(counts) == k, f"{where}.class_counts",
+                    f"a list of {k} counts (one per class)", counts)
+        counts = [self.integer(x, f"{where}.class_counts[{i}]") for i, x in enumerate(counts)]
+        total = sum(s.samples for s in shards)
+        self.expect(sum(counts) == total, f"{where}.class_counts", f"counts adding up to the shards' {total} samples",
+                    sum(counts))
+        return SplitInfo(shards, tuple(counts))
+
+    def outputs(self, out) -> dict:
+        self.expect(isinstance(out, dict), "outputs", "an object", out)
+        previews = out.get("previews", {})
+        self.expect(isinstance(previews, dict), "outputs.previews", "an object", previews)
+        for k, v in previews.items():
+            self.inside(v, f"outputs.previews[{k!r}]")
+        if "rejected" in out:
+            self.inside(out["rejected"], "outputs.rejected")
+        return out
+
+    def stats(self, st, splits: dict[str, SplitInfo]) -> Stats:
+        self.expect(isinstance(st, dict), "stats", "an object with pixels, sum and sumsq", st)
+        pixels = self.integer(st.get("pixels"), "stats.pixels")
+        train = splits.get("train")
+        self.expect(pixels > 0 or not train or not train.samples, "stats.pixels",
+                    "above 0 when there are train samples (mean/std come from them)", pixels)
+        vecs = []
+        for name in ("sum", "sumsq"):
+            v = st.get(name)
+            self.expect(isinstance(v, list) and len(v) == 3 and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in v),
+                f"stats.{name}", "three finite non-negative numbers", v)
+            vecs.append(tuple(float(x) for x in v))
+        return Stats(pixels, vecs[0], vecs[1])
 
 
 def load(folder: str | os.PathLike) -> Manifest:
     """Read OUT/dataset.json (or a path to the file itself) with errors that say what to do."""
-    path = Path(folder)
+    from fastpipe.util import local_path
+
+    path = local_path(folder, "data set")
     if path.is_dir():
         path = path / MANIFEST_NAME
     if not path.exists():
         raise ManifestError(f"{path} not found: run `fastpipe shard SRC {path.parent}` first, "
                             f"or `fastpipe index SHARDS...` for shards written by another tool")
     try:
-        data = json.loads(path.read_text())
-        return from_dict(data, path.parent)
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ManifestError(f"{path} is damaged ({type(e).__name__}: {e}); re-run the conversion") from e
+    return from_dict(data, path.parent)

@@ -17,8 +17,8 @@ from conftest import COLORS, make_folder, photo
 
 from fastpipe.convert.driver import ConvertError, ShardConfig, shard
 from fastpipe.convert.inspect import inspect
-from fastpipe.convert.writer import read_index
 from fastpipe.manifest import load
+from fastpipe.shardformat import read_index
 
 wds = pytest.importorskip("webdataset")  # absent on the GPU test machine: these tests run in CI
 
@@ -138,7 +138,7 @@ def test_list_source_with_hostile_rows(tmp_path):
     assert summary.written["train"] == 6
     got = sorted((r["path"], r["reason"]) for r in rejected(out))
     assert got == sorted([("../secret.jpg", "outside-root"), (f"{tmp_path}/secret.jpg", "outside-root"),
-                          ("imgs/missing.jpg", "missing"), ("<line 10>", "bad-row")])
+                          ("imgs/missing.jpg", "missing"), ("<line 11>", "bad-row")])  # file line numbers
 
 
 def test_stratified_split_is_seeded(tmp_path):
@@ -274,7 +274,9 @@ def test_inspect_verify_finds_a_damaged_shard(tmp_path, folder):
 
 
 def test_cli_help_and_clear_errors(tmp_path):
-    from fastpipe.cli import main, parse_size
+    from fastpipe.cli import main
+    from fastpipe.errors import ConfigError
+    from fastpipe.options import parse_gb, parse_size
 
     for cmd in ("shard", "demo-data", "index", "inspect", "merge", "doctor", "train", "memory", "bench", "runs"):
         with pytest.raises(SystemExit) as e:
@@ -283,7 +285,10 @@ def test_cli_help_and_clear_errors(tmp_path):
     r = subprocess.run([sys.executable, "-m", "fastpipe", "shard", str(tmp_path / "nope"), str(tmp_path / "o")],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
-    assert parse_size("256MB") == 256 * 2**20 and parse_size("64k") == 65536 and parse_size("1000") == 1000
+    assert parse_size("256MB") == 256 * 2**20 and parse_size("64k") == 65536 and parse_size("1000B") == 1000
+    with pytest.raises(ConfigError, match="give the unit"):
+        parse_size("1000")  # a bare number is ambiguous for a size
+    assert parse_gb("8") == 8 * 2**30 and parse_gb("512MB") == 512 * 2**20  # GPU memory: a bare number is GB
 
 
 def test_demo_data_is_deterministic_and_dirty(tmp_path):

@@ -15,10 +15,10 @@ from conftest import make_folder
 
 from fastpipe import make_loader
 from fastpipe.convert.driver import ShardConfig, shard
-from fastpipe.convert.writer import read_index
 from fastpipe.loaders.epoch import batches_per_epoch, train_segment, val_batches
 from fastpipe.loaders.shards import ShardError
 from fastpipe.manifest import load
+from fastpipe.shardformat import read_index
 
 REAL = ["torch", "nvjpeg", pytest.param("dali", marks=pytest.mark.dali)]
 KW = dict(batch_size=8, image_size=48, device="cpu")
@@ -182,7 +182,7 @@ def _corrupt_one_sample(out: Path) -> str:
     """Overwrite one stored JPEG after its start marker with garbage, keeping the shard's size."""
     m = load(out)
     s = m.splits["train"].shards[0]
-    key, parts = read_index(out / s.index, with_keys=True)[1]
+    key, parts = read_index(out / s.index)[1]
     off, size = parts["jpg"]
     data = bytearray((out / s.path).read_bytes())
     data[off + 2 : off + size] = np.random.default_rng(0).bytes(size - 2)
@@ -230,10 +230,12 @@ def test_worker_count_is_measured_once_and_cached(converted, tmp_path, monkeypat
     from fastpipe.loaders.workers import _candidates
 
     monkeypatch.setenv("FASTPIPE_CACHE", str(tmp_path))
-    loader = make_loader(converted, num_workers=None, **KW)
+    plain = make_loader(converted, num_workers=None, **KW)  # the default: no probe, nothing written
+    assert plain.num_workers >= 1 and not (tmp_path / "workers.json").exists()
+    loader = make_loader(converted, num_workers="probe", **KW)
     assert loader.num_workers in _candidates()
     assert (tmp_path / "workers.json").exists()
-    again = make_loader(converted, num_workers=None, **KW)
+    again = make_loader(converted, num_workers="probe", **KW)
     assert again.num_workers == loader.num_workers
 
 

@@ -13,10 +13,11 @@ from torch import nn
 
 from fastpipe.manifest import load
 from fastpipe.train.config import TrainConfig, image_size_for_epoch
-from fastpipe.train.loop import Dist, Trainer, TrainingStopped, make_schedule, train
+from fastpipe.train.loop import Dist, Trainer, TrainingStopped, make_schedule
 from fastpipe.train.memory import MemoryConfig, analyse, optimizer_state_factor, static_bytes
 from fastpipe.train.models import build_model
 from fastpipe.train.runs import format_runs, list_runs
+from fastpipe.train.session import train
 
 FAST = dict(model="resnet18", batch_size=8, image_size=32, workers=1, device="cpu", log_every=2,
             warmup_epochs=0.5)
@@ -210,7 +211,7 @@ def test_resume_drops_epochs_logged_after_the_last_checkpoint(tmp_path):
     from fastpipe.train.runs import Run
 
     run = Run(tmp_path / "r")
-    run.start({"train": {}}, resume=False)
+    run.start({"train": {}})
     for e in range(3):
         run.log({"epoch": e})
     run.truncate_metrics(2)  # the checkpoint holds epochs 0-1

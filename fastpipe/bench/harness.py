@@ -2,90 +2,79 @@
 
 1. loader only: the real loader, no model — what the input pipeline delivers, as training receives it;
 2. model only: the training step (forward, backward, optimizer) fed by the synthetic backend — the ceiling;
+   measured once per model setting and shared by every row of a sweep that has it, so rows differ only by loader;
 3. end to end: the training step fed by the real loader, with the share of time spent waiting for data.
 All three use the same model, batch, image size and precision, warm up first, and read the clock only after
-synchronising the device (timing.py).
+synchronising the device (timing.py). `max_seconds` bounds the whole run: each measurement gets an equal share.
+Headroom, everywhere (text, JSON, README): loader-only ÷ model-only, how many times what the model consumes
+the loader can deliver (below 1: the loader cannot keep up).
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
-import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 from torch import nn
 
-from fastpipe.bench.timing import Throughput, cuda_sync, endless, measure
-from fastpipe.loaders import LoaderConfig, make_loader_from
-from fastpipe.loaders.workers import usable_cores
+from fastpipe.bench.timing import Budget, Utilisation, cuda_sync, endless, measure
+from fastpipe.loaders import BACKEND_NAMES, LoaderConfig, make_loader_from
 from fastpipe.manifest import load
+from fastpipe.options import opt, parse_onoff, parse_workers
 from fastpipe.train.config import TrainConfig
 from fastpipe.train.loop import Dist, Trainer, make_optimizer
 from fastpipe.train.models import build_model
+from fastpipe.util import usable_cores
 
 DEVICE_BOUND = 0.90  # end to end within 10 % of the model-only rate: the device is the limit
 LOADER_BOUND = 0.85  # end to end at >= 85 % of the loader-only rate, and well below the model: the loader
 WAIT_BOUND = 0.5  # ... or half of every step spent waiting for data (a loader in the training process)
+CPU_BUDGET = 300.0  # seconds for a whole bench on a CPU unless --max-seconds says otherwise
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    data: str
-    model: str = "resnet18"
-    backend: str = "torch"
-    device: str | None = None
-    batch_size: int = 64
-    image_size: int = 224
-    amp: str | None = None  # None: fp16 on CUDA, off on CPU (as `fastpipe train`)
-    workers: int | None = None  # None: measured and cached by the loader
-    pin_memory: bool | None = None
-    channels_last: bool | None = None
-    steps: int = 20  # timed steps per window
-    windows: int = 3
-    warmup: int = 3
-    max_seconds: float | None = None  # cap per measurement (all windows), for slow CPU setups
+    data: str = opt(None, "converter output folder", positional=True)
+    model: str = opt("resnet18", "torchvision model name")
+    backend: str = opt("torch", "loader backend: " + ", ".join(BACKEND_NAMES), sweep=True, choices=BACKEND_NAMES)
+    device: str | None = opt(None, "cuda, cpu (default: cuda when available)")
+    batch_size: int = opt(64, "batch size", sweep=True)
+    image_size: int = opt(224, "image size", sweep=True)
+    amp: str | None = opt(None, "mixed precision (default: fp16 on CUDA, off on a CPU)",
+                          choices=("fp16", "bf16", "off"))
+    workers: int | str | None = opt(None, "loader workers: a number, auto or probe", sweep=True, parse=parse_workers)
+    pin_memory: bool | None = opt(None, "pinned host memory: on, off, auto", sweep=True, parse=parse_onoff)
+    channels_last: bool | None = opt(None, "channels_last memory format (default: on CUDA)")
+    steps: int = opt(20, "timed steps per window")
+    windows: int = opt(3, "timing windows per measurement (the median is reported)")
+    warmup: int = opt(3, "untimed steps before each measurement")
+    max_seconds: float | None = opt(None, f"time for the whole bench (default: {CPU_BUDGET:.0f} on a CPU, no limit "
+                                          f"on CUDA); each measurement gets an equal share")
 
     def resolved(self) -> BenchConfig:
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         cuda = device.startswith("cuda")
         return replace(self, device=device, amp=self.amp or ("fp16" if cuda else "off"),
-                       channels_last=cuda if self.channels_last is None else self.channels_last)
+                       channels_last=cuda if self.channels_last is None else self.channels_last,
+                       max_seconds=self.max_seconds or (None if cuda else CPU_BUDGET))
+
+    def model_key(self) -> tuple:
+        """What model-only depends on: rows that share it share one measurement."""
+        return self.model, self.device, self.batch_size, self.image_size, self.amp, self.channels_last
 
 
-class Utilisation:
-    """CPU % (psutil) and GPU % (NVML through torch, where installed) sampled in the background."""
+SWEPT = tuple(f.name for f in fields(BenchConfig) if f.metadata.get("sweep"))
 
-    def __init__(self, device: str):
-        self.device, self.cpu, self.gpu = device, [], []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self):
-        import psutil
-
-        psutil.cpu_percent(None)
-        while not self._stop.wait(0.2):
-            self.cpu.append(psutil.cpu_percent(None))
-            if self.device.startswith("cuda"):
-                # Without NVML (pynvml) the GPU figure is simply absent.
-                with contextlib.suppress(Exception):
-                    self.gpu.append(torch.cuda.utilization(torch.device(self.device)))
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    def summary(self) -> dict:
-        avg = lambda xs: round(sum(xs) / len(xs), 1) if xs else None  # noqa: E731
-        return {"cpu_pct": avg(self.cpu), "gpu_pct": avg(self.gpu)}
+def split_sweep(settings: dict) -> tuple[dict, dict[str, list]]:
+    """CLI values → (base settings, {swept field: values}); a swept flag given once is a plain setting."""
+    base = {k: v for k, v in settings.items() if k not in SWEPT}
+    sweep = {k: v for k, v in settings.items() if k in SWEPT and len(v) > 1}
+    base.update({k: v[0] for k, v in settings.items() if k in SWEPT and len(v) == 1})
+    return base, sweep
 
 
 def _trainer(cfg: BenchConfig, num_classes: int) -> Trainer:
@@ -96,10 +85,10 @@ def _trainer(cfg: BenchConfig, num_classes: int) -> Trainer:
         model = model.to(memory_format=torch.channels_last)
     tc = TrainConfig(data=cfg.data, model=cfg.model, batch_size=cfg.batch_size, lr=1e-3, amp=cfg.amp,
                      optimizer="sgd", device=cfg.device)
-    opt = make_optimizer(model, tc)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    opt_ = make_optimizer(model, tc)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt_, lambda s: 1.0)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16")
-    return Trainer(tc, model, opt, sched, scaler, nn.CrossEntropyLoss(), device, Dist())
+    return Trainer(tc, model, opt_, sched, scaler, nn.CrossEntropyLoss(), device, Dist())
 
 
 def _loader(cfg: BenchConfig, manifest, backend: str):
@@ -116,35 +105,37 @@ def _batches(loader):
     return endless(epoch)
 
 
-def _measure(cfg: BenchConfig, step) -> tuple[Throughput, dict]:
+def _measure(cfg: BenchConfig, step, seconds: float | None) -> dict:
     with Utilisation(cfg.device) as u:
         t = measure(step, warmup=cfg.warmup, windows=cfg.windows, window_images=cfg.steps * cfg.batch_size,
-                    sync=cuda_sync(cfg.device), max_seconds=cfg.max_seconds)
-    return t, u.summary()
+                    sync=cuda_sync(cfg.device), max_seconds=seconds)
+    return {**t.as_dict(), **u.summary()}
 
 
-def run_one(cfg: BenchConfig) -> dict:
-    """The three measurements and the verdict for one configuration."""
-    cfg = cfg.resolved()
-    manifest = load(cfg.data)
-    loader = _loader(cfg, manifest, cfg.backend)
+def model_only(cfg: BenchConfig, manifest, seconds: float | None) -> dict:
     trainer = _trainer(cfg, manifest.num_classes)
+    x, y = next(iter(_loader(cfg, manifest, "synthetic")))
+    trainer.model.train()
     streak = torch.zeros((), dtype=torch.int64, device=trainer.device)
+
+    def step():
+        trainer.step(x, y, 0, 1, streak)
+        return len(y)
+
+    return _measure(cfg, step, seconds)
+
+
+def loader_and_e2e(cfg: BenchConfig, manifest, seconds: float | None) -> tuple[dict, dict, object]:
+    loader = _loader(cfg, manifest, cfg.backend)
     real = _batches(loader)
 
     def loader_step():
         x, _ = next(real)
         return len(x)
 
-    loader_only, u1 = _measure(cfg, loader_step)
-    x_syn, y_syn = next(iter(_loader(cfg, manifest, "synthetic")))
-    trainer.model.train()
-
-    def model_step():
-        trainer.step(x_syn, y_syn, 0, 1, streak)
-        return len(y_syn)
-
-    model_only, u2 = _measure(cfg, model_step)
+    lo = _measure(cfg, loader_step, seconds)
+    trainer = _trainer(cfg, manifest.num_classes)
+    streak = torch.zeros((), dtype=torch.int64, device=trainer.device)
     waited = [0.0]
 
     def e2e_step():
@@ -154,33 +145,27 @@ def run_one(cfg: BenchConfig) -> dict:
         trainer.step(x, y, 0, 1, streak)
         return len(y)
 
-    for _ in range(cfg.warmup):
-        e2e_step()
-    waited[0], start = 0.0, time.perf_counter()
-    e2e, u3 = _measure(replace(cfg, warmup=0), e2e_step)
-    wait_share = waited[0] / max(time.perf_counter() - start, 1e-9)
-    v = verdict(loader_only.img_per_s, model_only.img_per_s, e2e.img_per_s, wait_share)
-    result = {"config": asdict(cfg), "loader_workers": getattr(loader, "num_workers", None),
-              "loader_only": {**loader_only.as_dict(), **u1}, "model_only": {**model_only.as_dict(), **u2},
-              "end_to_end": {**e2e.as_dict(), **u3, "data_wait": wait_share}, **v}
-    result["advice"] = advice(result, manifest)
-    return result
+    start = time.perf_counter()
+    e2e = _measure(cfg, e2e_step, seconds)
+    e2e["data_wait"] = waited[0] / max(time.perf_counter() - start, 1e-9)
+    return lo, e2e, loader
 
 
 def verdict(loader_ips: float, model_ips: float, e2e_ips: float, wait_share: float) -> dict:
-    """loader-bound / device-bound / balanced, from the three rates."""
-    headroom = model_ips / max(loader_ips, 1e-9)
+    """loader-bound / device-bound / balanced, from the three rates. headroom = loader ÷ model."""
+    headroom = loader_ips / max(model_ips, 1e-9)
     idle = max(0.0, 1 - e2e_ips / max(model_ips, 1e-9))
     if e2e_ips >= DEVICE_BOUND * model_ips:
         v = "device-bound"
         noise = " (above 100 %: timing noise)" if e2e_ips > 1.02 * model_ips else ""
         words = (f"device-bound: end to end runs at {e2e_ips / model_ips:.0%} of the model-only rate{noise} "
-                 f"({e2e_ips:,.0f} of {model_ips:,.0f} img/s); the loader has {1 / headroom:.1f}x headroom")
+                 f"({e2e_ips:,.0f} of {model_ips:,.0f} img/s); the loader delivers {headroom:.1f}x what the "
+                 f"model consumes")
     elif (e2e_ips >= LOADER_BOUND * loader_ips or wait_share >= WAIT_BOUND) and \
             loader_ips < DEVICE_BOUND * model_ips:
         v = "loader-bound"
-        words = (f"loader-bound: end to end {e2e_ips:,.0f} img/s is held by the loader (alone "
-                 f"{loader_ips:,.0f} img/s); the device could take {model_ips:,.0f} img/s ({headroom:.1f}x) "
+        words = (f"loader-bound: end to end {e2e_ips:,.0f} img/s is held by the loader (alone {loader_ips:,.0f} "
+                 f"img/s, {headroom:.2f}x what the model consumes); the device could take {model_ips:,.0f} img/s "
                  f"and sits idle {idle:.0%} of the time ({wait_share:.0%} of each step waits for data)")
     else:
         v = "balanced"
@@ -219,28 +204,63 @@ def advice(r: dict, manifest) -> list[str]:
 
 
 def grid(cfg: BenchConfig, sweep: dict[str, list]) -> list[BenchConfig]:
-    """Every combination of the swept values (keys are BenchConfig fields)."""
+    """Every combination of the swept values (keys are BenchConfig fields), resolved."""
     keys = list(sweep)
-    return [replace(cfg, **dict(zip(keys, combo))) for combo in itertools.product(*(sweep[k] for k in keys))]
+    return [replace(cfg, **dict(zip(keys, combo))).resolved()
+            for combo in itertools.product(*(sweep[k] for k in keys))]
 
 
-def run_sweep(cfg: BenchConfig, sweep: dict[str, list], on_row=None) -> dict:
-    rows = []
-    for c in grid(cfg, sweep):
+def _fmt(m: dict) -> str:
+    return f"{m['img_per_s']:,.1f} img/s ({m['seconds']:.0f} s)"
+
+
+def run_sweep(cfg: BenchConfig, sweep: dict[str, list] | None = None, log=None) -> dict:
+    """Every configuration of the sweep: model-only once per model setting, loader-only and end to end per row,
+    within cfg.max_seconds in all. `log(line)` reports progress as it goes."""
+    log = log or (lambda line: None)
+    sweep = sweep or {}
+    configs = grid(cfg, sweep)
+    manifest = load(configs[0].data)
+    models = {c.model_key() for c in configs}
+    budget = Budget(configs[0].max_seconds, len(models) + 2 * len(configs))
+    log(f"bench: {len(configs)} configuration(s), {budget.describe()}")
+    model_rates, rows = {}, []
+    for i, c in enumerate(configs, 1):
+        name = f"[{i}/{len(configs)}] {c.backend} workers={c.workers if c.workers is not None else 'auto'} " \
+               f"batch {c.batch_size} {c.image_size}px"
+        if c.model_key() not in model_rates:
+            log(f"{name}: model only ({c.model}, {c.amp}, synthetic data on {c.device}) ...")
+            model_rates[c.model_key()] = model_only(c, manifest, budget.share())
+            log(f"  model only: {_fmt(model_rates[c.model_key()])}")
         try:
-            row = run_one(c)
+            log(f"{name}: loader only, then end to end ...")
+            lo, e2e, loader = loader_and_e2e(c, manifest, budget.share())
         except ImportError as e:  # e.g. DALI not installed: the row says so instead of failing the sweep
-            row = {"config": asdict(c.resolved()), "skipped": str(e)}
+            rows.append({"config": asdict(c), "skipped": str(e)})
+            log(f"  skipped: {str(e)[:100]}")
+            budget.skip(2)
+            continue
+        log(f"  loader only: {_fmt(lo)}; end to end: {_fmt(e2e)}")
+        mo = model_rates[c.model_key()]
+        row = {"config": asdict(c), "loader_workers": getattr(loader, "num_workers", None), "loader_only": lo,
+               "model_only": mo, "end_to_end": e2e,
+               **verdict(lo["img_per_s"], mo["img_per_s"], e2e["img_per_s"], e2e["data_wait"])}
+        row["advice"] = advice(row, manifest)
         rows.append(row)
-        if on_row:
-            on_row(row)
+        del loader
     done = [r for r in rows if "skipped" not in r]
     best = max(done, key=lambda r: r["end_to_end"]["img_per_s"], default=None)
-    return {"rows": rows, "best": best["config"] if best else None, "machine": machine_info(cfg),
-            "sweep": {k: [str(x) for x in v] for k, v in sweep.items()}}
+    return {"rows": rows, "best": best["config"] if best else None, "machine": machine_info(),
+            "sweep": {k: [str(x) for x in v] for k, v in sweep.items()}, "seconds": budget.elapsed(),
+            "headroom_definition": "loader_only / model_only"}
 
 
-def machine_info(cfg: BenchConfig) -> dict:
+def run_one(cfg: BenchConfig) -> dict:
+    """The three measurements and the verdict for one configuration."""
+    return run_sweep(cfg)["rows"][0]
+
+
+def machine_info() -> dict:
     import platform
 
     import torchvision
@@ -253,4 +273,4 @@ def machine_info(cfg: BenchConfig) -> dict:
     return info
 
 
-__all__ = ["BenchConfig", "run_one", "run_sweep", "verdict"]
+__all__ = ["BenchConfig", "run_one", "run_sweep", "split_sweep", "verdict"]

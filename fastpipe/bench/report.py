@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-SWEPT = ("backend", "workers", "batch_size", "image_size", "pin_memory")
-
 
 def label(row: dict, swept: list[str]) -> str:
     c = row["config"]
@@ -14,25 +12,30 @@ def label(row: dict, swept: list[str]) -> str:
     return " ".join(parts)
 
 
+def _rate(x: float) -> str:
+    return f"{x:9,.0f}" if x >= 100 else f"{x:9.1f}"
+
+
 def table(result: dict) -> str:
     swept = [k for k in result["sweep"] if len(result["sweep"][k]) > 1] or ["backend"]
-    head = f"{'configuration':34s} {'loader':>9s} {'model':>9s} {'end2end':>9s} {'wait':>5s}  verdict"
+    head = f"{'configuration':34s} {'loader':>9s} {'model':>9s} {'end2end':>9s} {'headroom':>8s} {'wait':>5s}  verdict"
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
         if "skipped" in r:
             lines.append(f"{label(r, swept):34s} skipped: {r['skipped'][:80]}")
             continue
         lo, mo, ee = r["loader_only"], r["model_only"], r["end_to_end"]
-        lines.append(f"{label(r, swept):34s} {lo['img_per_s']:9,.0f} {mo['img_per_s']:9,.0f} "
-                     f"{ee['img_per_s']:9,.0f} {100 * ee['data_wait']:4.0f}%  {r['verdict']}")
-    lines.append("(images/s, median of the windows)")
+        lines.append(f"{label(r, swept):34s} {_rate(lo['img_per_s'])} {_rate(mo['img_per_s'])} "
+                     f"{_rate(ee['img_per_s'])} {r['headroom']:7.1f}x {100 * ee['data_wait']:4.0f}%  {r['verdict']}")
+    lines.append("(images/s, median of the windows; headroom = loader ÷ model: below 1 the loader cannot keep up)")
     done = [r for r in result["rows"] if "skipped" not in r]
     if done:
         best = max(done, key=lambda r: r["end_to_end"]["img_per_s"])
         lines += ["", best["verdict_text"]]
         lines += [f"  - {a}" for a in best["advice"]]
         if len(done) > 1:
-            lines.append(f"best configuration: {label(best, swept)} ({best['end_to_end']['img_per_s']:,.0f} img/s)")
+            lines.append(f"best configuration: {label(best, swept)} ({best['end_to_end']['img_per_s']:,.1f} img/s "
+                         f"end to end)")
     return "\n".join(lines)
 
 
@@ -42,11 +45,9 @@ def write_json(result: dict, path: str) -> None:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     rows = [r for r in result["rows"] if "skipped" not in r]
     swept = [k for k in result["sweep"] if len(result["sweep"][k]) > 1] or ["backend"]
@@ -54,7 +55,9 @@ def plot(result: dict, path: str) -> None:
     kinds = [("loader_only", "loader only", "#4c9"), ("model_only", "model only", "#58c"),
              ("end_to_end", "end to end", "#e84")]
     x = np.arange(len(rows))
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows) + 2), 4.2))
+    fig = Figure(figsize=(max(6, 1.6 * len(rows) + 2), 4.2))
+    FigureCanvasAgg(fig)  # no pyplot: the caller's matplotlib backend and state stay untouched
+    ax = fig.add_subplot()
     for i, (key, name, color) in enumerate(kinds):
         vals = [r[key]["img_per_s"] for r in rows]
         err = [[r[key]["img_per_s"] - r[key]["low"] for r in rows],
@@ -73,4 +76,3 @@ def plot(result: dict, path: str) -> None:
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)

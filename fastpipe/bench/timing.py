@@ -1,8 +1,12 @@
-"""Honest throughput: warm up, synchronise the device before reading the clock, median of windows."""
+"""Honest throughput: warm up, synchronise the device before reading the clock, median of windows, and a time
+budget that is kept (warm-up included; the number of windows shrinks when single steps are slow)."""
 
 from __future__ import annotations
 
+import contextlib
+import math
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -14,7 +18,7 @@ class Throughput:
     low: float  # slowest window
     high: float  # fastest window
     images: int
-    seconds: float
+    seconds: float  # the whole measurement, warm-up included
     windows: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -22,6 +26,33 @@ class Throughput:
 
     def __str__(self) -> str:
         return f"{self.img_per_s:,.0f} img/s ({self.low:,.0f}-{self.high:,.0f})"
+
+
+class Budget:
+    """Seconds for a whole run, handed out as equal shares of what is left to the measurements still to come, so
+    that one slow measurement shortens the later ones instead of overrunning the total."""
+
+    def __init__(self, seconds: float | None, measurements: int):
+        self.total, self.left, self.start = seconds, measurements, time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def share(self) -> float | None:
+        if self.total is None:
+            self.left -= 1
+            return None
+        share = max(self.total - self.elapsed(), 0.0) / max(self.left, 1)
+        self.left -= 1
+        return share
+
+    def skip(self, n: int) -> None:
+        self.left -= n
+
+    def describe(self) -> str:
+        if self.total is None:
+            return f"{self.left} measurements, no time limit"
+        return f"{self.left} measurements within {self.total:.0f} s (--max-seconds)"
 
 
 def endless(make_epoch: Callable[[int], Iterable]) -> Iterator:
@@ -47,19 +78,67 @@ def cuda_sync(device) -> Callable[[], None]:
 
 def measure(step: Callable[[], int], *, warmup: int = 2, windows: int = 3, window_images: int = 512,
             sync: Callable[[], None] = lambda: None, max_seconds: float | None = None) -> Throughput:
-    """Call `step()` (returns the images it processed) `warmup` times, then time `windows` windows of at least
-    `window_images` images each (or max_seconds / windows seconds, whichever comes first)."""
+    """Call `step()` (returns the images it processed) up to `warmup` times, then time `windows` windows of at least
+    `window_images` images each. With `max_seconds`, the whole call (warm-up included) stays within it up to one
+    step: warm-up stops after a quarter of it, the windows split the rest, and no step starts that the last one
+    says would not finish in time (at least one timed step is always taken)."""
+    start = time.perf_counter()
+    limit = max_seconds if max_seconds is not None else math.inf
+    step_s = 0.0
     for _ in range(warmup):
+        t = time.perf_counter()
         step()
-    rates, total_n, total_t = [], 0, 0.0
-    limit = max_seconds / windows if max_seconds else float("inf")
+        sync()
+        step_s = time.perf_counter() - t
+        if time.perf_counter() - start > limit / 4:
+            break
+    left = limit - (time.perf_counter() - start)
+    if step_s > 0 and math.isfinite(left):
+        windows = max(1, min(windows, int(left // step_s)))
+    per_window = left / windows
+    rates, total_n = [], 0
     for _ in range(windows):
         sync()
-        start, n = time.perf_counter(), 0
-        while n < window_images and time.perf_counter() - start < limit:
+        w_start, n = time.perf_counter(), 0
+        while n < window_images:
+            if n and time.perf_counter() - w_start + step_s > per_window:
+                break  # the next step would end after this window's share
+            t = time.perf_counter()
             n += step()
+            step_s = time.perf_counter() - t
         sync()  # the clock is read only after the device has finished the window's work
-        dt = time.perf_counter() - start
-        rates.append(n / dt)
-        total_n, total_t = total_n + n, total_t + dt
-    return Throughput(statistics.median(rates), min(rates), max(rates), total_n, total_t, rates)
+        rates.append(n / (time.perf_counter() - w_start))
+        total_n += n
+    return Throughput(statistics.median(rates), min(rates), max(rates), total_n, time.perf_counter() - start, rates)
+
+
+class Utilisation:
+    """CPU % (psutil) and GPU % (NVML through torch, where installed) sampled in the background."""
+
+    def __init__(self, device: str):
+        self.device, self.cpu, self.gpu = device, [], []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        import psutil
+        import torch
+
+        psutil.cpu_percent(None)
+        while not self._stop.wait(0.2):
+            self.cpu.append(psutil.cpu_percent(None))
+            if self.device.startswith("cuda"):
+                with contextlib.suppress(Exception):  # without NVML (pynvml) the GPU figure is simply absent
+                    self.gpu.append(torch.cuda.utilization(torch.device(self.device)))
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict:
+        avg = lambda xs: round(sum(xs) / len(xs), 1) if xs else None  # noqa: E731
+        return {"cpu_pct": avg(self.cpu), "gpu_pct": avg(self.gpu)}

@@ -1,51 +1,65 @@
 """`fastpipe shard`: the parallel conversion driver.
 
 Workers decode/resize/encode; the main process writes shards in plan order (an ordered `imap`), so output
-is deterministic whatever the worker count. See plan.py for the plan, journal.py for resuming.
+is deterministic whatever the worker count. See plan.py for the plan, journal.py for resuming, outputs.py for
+what a run may write and delete.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
 
-import numpy as np
 from tqdm import tqdm
 
 from fastpipe import __version__
-from fastpipe.convert import images, plan, previews
+from fastpipe.convert import images, outputs, plan, previews
 from fastpipe.convert.journal import Journal, SplitProgress
 from fastpipe.convert.sources import Rejection, discover
 from fastpipe.convert.writer import ShardWriter
-from fastpipe.loaders.workers import usable_cores
-from fastpipe.manifest import Components, Manifest, SplitInfo, Stats, write_json_atomic
+from fastpipe.errors import ConfigError
+from fastpipe.manifest import Components, Manifest, SplitInfo, Stats
+from fastpipe.options import opt, parse_procs, parse_size
+from fastpipe.shardformat import encode_label
+from fastpipe.util import (
+    FileTooLarge,
+    FolderLock,
+    NotRegularFile,
+    local_path,
+    read_regular,
+    usable_cores,
+    write_json_atomic,
+    write_jsonl_atomic,
+)
 
 SPLITS = ("train", "val")
 
 
-class ConvertError(RuntimeError):
+class ConvertError(ConfigError):
     """A conversion that can't start: bad arguments, or an OUT that holds other work."""
 
 
 @dataclass(frozen=True)
 class ShardConfig:
-    src: Path
-    out: Path
-    short_side: int = 320
-    quality: int = 90
-    val_fraction: float = 0.1
-    seed: int = 0
-    max_shard_size: int = 256 * 1024**2
-    max_pixels: int = 200_000_000
-    workers: int = 0  # 0 = every core
-    overwrite: bool = False
-    part: int = 0
-    parts: int = 1
+    src: Path = opt(None, "folder of class folders (optionally train/ and val/), or a CSV/TXT list", positional=True)
+    out: Path = opt(None, "output folder", positional=True)
+    short_side: int = opt(320, "stored shorter side in pixels, never upscaled")
+    quality: int = opt(90, "JPEG quality of the stored images")
+    val_fraction: float = opt(0.1, "stratified validation share (ignored when SRC has train/ and val/ folders)")
+    seed: int = opt(0, "seed for split and shuffle")
+    max_shard_size: int = opt(256 * 1024**2, "shard size limit, e.g. 256MB, 64MB", parse=parse_size)
+    max_pixels: int = opt(200_000_000, "refuse larger images (decompression-bomb guard)")
+    max_file_size: int = opt(1024**3, "refuse larger files, e.g. 1GB", parse=parse_size)
+    workers: int | None = opt(None, "processes: a number (0 = in this process) or auto (every core)",
+                              parse=parse_procs)
+    overwrite: bool = opt(False, "replace a conversion made with other settings (removes only files fastpipe "
+                                 "wrote)")
+    part: int = opt(0, "this part's number, for cluster array jobs")
+    parts: int = opt(1, "number of independent parts (then: fastpipe merge)")
 
     def settings(self) -> dict:
         """Everything that changes the output bytes (workers and overwrite don't)."""
@@ -56,6 +70,11 @@ class ShardConfig:
 
     def image_settings(self) -> images.ImageSettings:
         return images.ImageSettings(self.short_side, self.quality, self.max_pixels)
+
+    def __post_init__(self):
+        # Paths given as text (the API, the CLI) become Paths; a URL is refused here, before anything is created.
+        object.__setattr__(self, "src", local_path(self.src, "SRC"))
+        object.__setattr__(self, "out", local_path(self.out, "OUT"))
 
     def validate(self) -> None:
         if not 0 <= self.val_fraction < 1:
@@ -68,10 +87,16 @@ class ShardConfig:
             raise ConvertError(f"--part {self.part} --parts {self.parts}: need 0 <= part < parts")
         if self.max_shard_size < 64 * 1024:
             raise ConvertError(f"--max-shard-size {self.max_shard_size}: use at least 64KB")
+        if self.workers is not None and self.workers < 0:
+            raise ConvertError(f"--workers {self.workers}: use 0 (this process) or more")
 
     @property
     def suffix(self) -> str:
         return "" if self.parts == 1 else f".part-{self.part:03d}-of-{self.parts:03d}"
+
+    @property
+    def prefixes(self) -> list[str]:
+        return [n if self.parts == 1 else f"{n}-{self.part:03d}" for n in SPLITS]
 
 
 @dataclass
@@ -83,14 +108,18 @@ class Summary:
     seconds: float = 0.0
     converted_now: int = 0
     up_to_date: bool = False
+    ignored: int = 0
+    notes: list[str] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)  # seconds: start (pool), hash, convert, finish
 
     def lines(self) -> list[str]:
         rate = self.converted_now / self.seconds if self.seconds else 0.0
         out = [f"discovered {self.discovered} files -> written "
                + ", ".join(f"{k} {v}" for k, v in self.written.items())
-               + f", rejected {sum(self.rejected.values())}"]
+               + f", rejected {sum(self.rejected.values())}"
+               + (f" ({self.ignored} hidden/system files ignored)" if self.ignored else "")]
         out += [f"  rejected {n:>5}  {reason}" for reason, n in sorted(self.rejected.items())]
+        out += [f"note: {n}" for n in self.notes]
         if self.up_to_date:
             out.append(f"{self.out} is already complete for these settings: nothing to do")
         else:
@@ -99,28 +128,34 @@ class Summary:
 
 
 # -- worker side -------------------------------------------------------------------------------------
-_SETTINGS: images.ImageSettings | None = None
+_SETTINGS: tuple[images.ImageSettings, int] | None = None
 
 
-def _init_worker(settings: images.ImageSettings) -> None:
+def _init_worker(settings: images.ImageSettings, max_file_size: int) -> None:
     global _SETTINGS
-    _SETTINGS = settings
+    _SETTINGS = (settings, max_file_size)
 
 
 def _convert_one(path: str) -> images.Encoded | images.Rejected:
+    settings, limit = _SETTINGS
     try:
-        data = Path(path).read_bytes()
+        data = read_regular(Path(path), limit)
+    except FileTooLarge as e:
+        return images.Rejected("too-large", f"{e}; raise --max-file-size to convert it")
+    except NotRegularFile as e:
+        return images.Rejected("not-a-file", str(e))
     except OSError as e:
         return images.Rejected("unreadable", f"{type(e).__name__}: {e.strerror or e}")
-    return images.process(data, _SETTINGS)
+    return images.process(data, settings)
 
 
 # -- main side ---------------------------------------------------------------------------------------
 def _sample_parts(enc: images.Encoded, sample: plan.Sample, classes) -> dict[str, bytes]:
     meta = {"path": sample.path, "class": classes[sample.label], "label": sample.label,
             "orig_size": list(enc.orig_size), "size": list(enc.size)}
-    return {"jpg": enc.jpeg, "cls": str(sample.label).encode(),
-            "lbl": np.int32(sample.label).tobytes(), "json": json.dumps(meta, sort_keys=True).encode()}
+    labels = encode_label(sample.label)
+    return {"jpg": enc.jpeg, "cls": labels["cls"], "lbl": labels["lbl"],
+            "json": json.dumps(meta, sort_keys=True).encode()}
 
 
 class _SplitRun:
@@ -132,7 +167,7 @@ class _SplitRun:
         if not progress.counts:
             progress.counts = [0] * num_classes
         self._reset_pending(num_classes)
-        prefix = split if cfg.parts == 1 else f"{split}-{cfg.part:03d}"
+        prefix = cfg.prefixes[SPLITS.index(split)]
         self.writer = ShardWriter(cfg.out, prefix, cfg.max_shard_size, len(progress.shards), self._closed)
         self.pos = progress.end
 
@@ -163,35 +198,35 @@ class _SplitRun:
         self._closed(None, done=True)  # rejections after it, and the mark that the split is complete
 
 
-def _make_pool(workers: int, settings: images.ImageSettings):
+def _make_pool(workers: int, cfg: ShardConfig):
     # spawn, not fork: a parent that already holds torch/CUDA state must not be forked.
-    return get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(settings,))
-
-
-def _known_outputs(out: Path) -> list[Path]:
-    pats = ["*.tar", "*.idx", "*.tar.tmp", "*.idx.tmp", "dataset*.json", "rejected*.jsonl", ".fastpipe-progress*"]
-    return [p for pat in pats for p in out.glob(pat)] + [out / "previews"]
+    return get_context("spawn").Pool(workers, initializer=_init_worker,
+                                      initargs=(cfg.image_settings(), cfg.max_file_size))
 
 
 def _guard(cfg: ShardConfig, fingerprint: str, journal: Journal) -> bool:
-    """True when OUT already holds this exact conversion. Refuses other work unless --overwrite."""
-    manifest_path = cfg.out / f"dataset{cfg.suffix}.json"
-    previous = None
-    if manifest_path.exists():
-        try:
-            previous = json.loads(manifest_path.read_text())["settings"].get("fingerprint")
-        except (ValueError, KeyError):
-            previous = "unreadable"
-    elif journal.path.exists():
-        previous = journal.read_fingerprint()
-    if previous is None or previous == fingerprint:
-        return previous == fingerprint and manifest_path.exists()
-    if not cfg.overwrite:
-        raise ConvertError(f"{cfg.out} holds a conversion made with other settings or other input files. "
-                           f"Use --overwrite to replace it, or choose another OUT folder.")
-    for p in _known_outputs(cfg.out):
-        shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
-    return False
+    """True when OUT already holds this exact conversion. Refuses other work unless --overwrite, and then removes
+    only what fastpipe's own records say it wrote (outputs.py)."""
+    manifest, problem = outputs.read_manifest(cfg.out / f"dataset{cfg.suffix}.json")
+    if manifest is not None:
+        previous = manifest.settings.get("fingerprint") or "adopted shards (fastpipe index)"
+    else:
+        previous = problem or journal.read_fingerprint()
+    owned = (outputs.manifest_files(manifest) if manifest else set()) | outputs.journal_files(journal.path)
+    if previous not in (None, fingerprint):
+        if not cfg.overwrite:
+            what = previous if not _is_hex(previous) else "a conversion made with other settings or input files"
+            raise ConvertError(f"{cfg.out} holds {what}. Use --overwrite to replace it (only files fastpipe "
+                               f"wrote are removed), or choose another OUT folder.")
+        outputs.remove(owned | outputs.temporary_files(cfg.out, cfg.prefixes) | {journal.path,
+                       cfg.out / f"dataset{cfg.suffix}.json"})
+        owned = set()
+    outputs.refuse_conflicts(cfg.out, outputs.foreign_conflicts(cfg.out, cfg.prefixes, owned))
+    return previous == fingerprint and manifest is not None
+
+
+def _is_hex(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
 
 
 def _convert_split(name, samples, root: Path, run: _SplitRun, classes, pool) -> int:
@@ -208,16 +243,12 @@ def _convert_split(name, samples, root: Path, run: _SplitRun, classes, pool) -> 
     return len(todo)
 
 
-def write_rejected(path: Path, rejected: list[dict]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rejected))
-    tmp.replace(path)
-
-
 def _finalize(cfg, classes, progress, early: list[Rejection], fingerprint) -> Manifest:
+    """rejected.jsonl, previews, then dataset.json last: a conversion is complete only when every output is, so
+    a run stopped in between (a full disk while drawing previews) is finished by the rerun, not declared done."""
     rejected = [r.to_dict() for r in early] + [r for p in progress.values() for r in p.rejected]
     rejected.sort(key=lambda r: (r["path"], r["reason"]))
-    write_rejected(cfg.out / f"rejected{cfg.suffix}.jsonl", rejected)
+    write_jsonl_atomic(cfg.out / f"rejected{cfg.suffix}.jsonl", rejected)
     manifest = Manifest(
         classes=tuple(classes),
         splits={n: SplitInfo(tuple(p.shards), tuple(p.counts)) for n, p in progress.items()},
@@ -225,10 +256,12 @@ def _finalize(cfg, classes, progress, early: list[Rejection], fingerprint) -> Ma
         settings={**cfg.settings(), "fingerprint": fingerprint, "fastpipe": __version__},
         components=Components(),
         root=cfg.out,
+        outputs={"rejected": f"rejected{cfg.suffix}.jsonl"},
     )
-    write_json_atomic(cfg.out / f"dataset{cfg.suffix}.json", manifest.to_dict())
     if cfg.parts == 1:  # a cluster job's previews are drawn at merge time, from all parts
-        previews.contact_sheets(manifest, cfg.out / "previews", seed=cfg.seed)
+        names = previews.contact_sheets(manifest, cfg.out / "previews", seed=cfg.seed)
+        manifest.outputs["previews"] = {c: f"previews/{f}" for c, f in names.items()}
+    write_json_atomic(cfg.out / f"dataset{cfg.suffix}.json", manifest.to_dict())
     return manifest
 
 
@@ -237,6 +270,12 @@ def _summarise(summary: Summary, manifest_path: Path, rejected_path: Path) -> Su
     summary.written = {n: sp["samples"] for n, sp in data["splits"].items()}
     if rejected_path.exists():
         summary.rejected = Counter(json.loads(line)["reason"] for line in rejected_path.read_text().splitlines())
+    if len(data["classes"]) < 2:
+        summary.notes.append(f"only one class ({data['classes'][0]!r}): a classifier needs at least two. Expected "
+                             f"SRC/<class>/<images> with one folder per class, or a list with a label per row")
+    if not data["splits"].get("val", {}).get("samples"):
+        summary.notes.append("no validation samples: `fastpipe train` will train without evaluating "
+                             "(use --val-fraction, or SRC/train + SRC/val folders)")
     return summary
 
 
@@ -254,16 +293,24 @@ def shard(cfg: ShardConfig) -> Summary:
     """Convert cfg.src into shards under cfg.out (resuming, skipping or refusing as the folder requires)."""
     cfg.validate()
     start = time.perf_counter()
-    source = discover(cfg.src)
+    source = discover(cfg.src, exclude=cfg.out)
     cfg.out.mkdir(parents=True, exist_ok=True)
-    summary = Summary(cfg.out, discovered=len(source.items) + len(source.rejections))
-    workers = cfg.workers or usable_cores()
-    pool = _make_pool(workers, cfg.image_settings()) if workers > 1 else None
-    _init_worker(cfg.image_settings())
+    summary = Summary(cfg.out, discovered=len(source.items) + len(source.rejections), ignored=source.ignored,
+                      notes=list(source.notes))
+    with FolderLock(cfg.out, f"fastpipe shard {cfg.src} {cfg.out}"):
+        _run(cfg, source, summary, start)
+    summary.seconds = time.perf_counter() - start
+    return _summarise(summary, cfg.out / f"dataset{cfg.suffix}.json", cfg.out / f"rejected{cfg.suffix}.jsonl")
+
+
+def _run(cfg: ShardConfig, source, summary: Summary, start: float) -> None:
+    workers = usable_cores() if cfg.workers is None else cfg.workers
+    pool = _make_pool(workers, cfg) if workers > 1 else None
+    _init_worker(cfg.image_settings(), cfg.max_file_size)
     clock = _Clock(summary.phases, start)
     try:
         clock.lap("start")
-        hashes, early = plan.hash_files(source, workers)
+        hashes, early = plan.hash_files(source, workers, cfg.max_file_size)
         clock.lap("hash")
         items, duplicates = plan.deduplicate(list(source.items), hashes)
         by_split = plan.split_items(items, cfg.val_fraction, cfg.seed)
@@ -272,24 +319,21 @@ def shard(cfg: ShardConfig) -> Summary:
         mine = {n: [s[i] for i in plan.part_range(len(s), cfg.part, cfg.parts)] for n, s in ordered.items()}
         fingerprint = plan.plan_fingerprint(cfg.settings(), mine, hashes)
         journal = Journal(cfg.out / f".fastpipe-progress{cfg.suffix}.jsonl", fingerprint)
-        if not _guard(cfg, fingerprint, journal):
-            progress = journal.load(cfg.out)
-            for name in SPLITS:
-                p = progress.setdefault(name, SplitProgress())
-                if not p.done:
-                    run = _SplitRun(name, mine[name], cfg, journal, p, len(source.classes))
-                    summary.converted_now += _convert_split(name, mine[name], source.root, run,
-                                                            source.classes, pool)
-            clock.lap("convert")
-            # Refusals found before any decoding are recorded once, by part 0, for a cluster job.
-            early_all = list(source.rejections) + early + duplicates if cfg.part == 0 else []
-            _finalize(cfg, source.classes, progress, early_all, fingerprint)
-            journal.remove()
-            clock.lap("finish")
-        else:
+        if _guard(cfg, fingerprint, journal):
             summary.up_to_date = True
+            return
+        progress = journal.load(cfg.out)
+        for name in SPLITS:
+            p = progress.setdefault(name, SplitProgress())
+            if not p.done:
+                run = _SplitRun(name, mine[name], cfg, journal, p, len(source.classes))
+                summary.converted_now += _convert_split(name, mine[name], source.root, run, source.classes, pool)
+        clock.lap("convert")
+        # Refusals found before any decoding are recorded once, by part 0, for a cluster job.
+        early_all = list(source.rejections) + early + duplicates if cfg.part == 0 else []
+        _finalize(cfg, source.classes, progress, early_all, fingerprint)
+        journal.remove()
+        clock.lap("finish")
     finally:
         if pool is not None:
             pool.terminate()
-    summary.seconds = time.perf_counter() - start
-    return _summarise(summary, cfg.out / f"dataset{cfg.suffix}.json", cfg.out / f"rejected{cfg.suffix}.jsonl")

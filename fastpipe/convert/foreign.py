@@ -1,14 +1,16 @@
 """`fastpipe index SHARDS...`: adopt WebDataset shards written by other tools (e.g. webdataset.ShardWriter).
 
-Writes a `.idx` beside each shard and a dataset.json (counts, class list, mean/std from a sample of
-decoded train images), so that every other command works on them unchanged.
+Writes a `.idx` beside each shard and a dataset.json (counts, class list, mean/std from a sample of decoded
+images), so that every other command works on them unchanged. Everything a loader worker would trip over
+(links, duplicate keys, a member beyond the end of the file, a label that is not a class index, mixed image
+types) is refused here, naming the shard and member. `--idx-only` writes the `.idx` files and nothing else: the
+repair for a missing or damaged index that never touches a manifest.
 """
 
 from __future__ import annotations
 
 import io
-import os
-import tarfile
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,103 +19,190 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from fastpipe.convert import previews
-from fastpipe.convert.writer import index_lines_of, sha256_file, split_name, write_index_file
-from fastpipe.manifest import Components, Manifest, ShardInfo, SplitInfo, Stats, save
+from fastpipe.convert import outputs, previews
+from fastpipe.errors import ConfigError, DataError
+from fastpipe.manifest import MANIFEST_NAME, Components, Manifest, ShardInfo, SplitInfo, Stats, save
+from fastpipe.options import opt
+from fastpipe.shardformat import (
+    IMAGE_EXTS,
+    LABEL_EXTS,
+    decode_label,
+    entry_line,
+    index_path_for,
+    index_tar,
+    read_member,
+    sha256_file,
+    write_index,
+)
+from fastpipe.util import FolderLock, local_path
 
-IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
-LABEL_EXTS = ("cls", "label", "class", "index", "target")
+MAX_CLASSES = 100_000  # without --classes, a label above this is damage, not a class index
+MAX_STATS_IMAGE = 64 * 1024**2
+VAL_NAME = re.compile(r"(^|[-_.])(val|valid|validation)([-_.]|$)", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
 class IndexConfig:
-    train: list[Path]
-    out: Path | None = None
-    val: list[Path] = field(default_factory=list)
-    classes_file: str | None = None
-    stats_samples: int = 2000
+    train: list[Path] = opt(None, "shard files (train; validation shards with --val, or named val-*)",
+                            positional=True, nargs="+", flag="SHARDS")
+    out: Path | None = opt(None, "folder for dataset.json, holding the shards (default: the shards' folder)")
+    val: list[Path] = opt([], "validation shard files", nargs="*")
+    classes_file: str | None = opt(None, "text file of class names, one per line, in label order", flag="--classes")
+    stats_samples: int = opt(2000, "train images decoded for mean/std")
+    idx_only: bool = opt(False, "write the .idx files only (a missing or damaged index); no manifest is touched")
+    overwrite: bool = opt(False, "replace an existing dataset.json in the folder")
 
 
 @dataclass
 class _Scan:
     samples: int = 0
     labels: Counter = field(default_factory=Counter)
-    exts: Counter = field(default_factory=Counter)
+    image_exts: Counter = field(default_factory=Counter)
+    label_exts: Counter = field(default_factory=Counter)
     images: list[bytes] = field(default_factory=list)
 
 
-def _scan(tar_path: Path, keep_images: int, scan: _Scan) -> int:
-    """Count samples, read labels, keep a few images for statistics. Returns this shard's sample count."""
-    groups: dict[str, dict[str, tarfile.TarInfo]] = {}
-    with tarfile.open(tar_path) as tf:
-        for m in tf:
-            if m.isfile():
-                key, ext = split_name(m.name)
-                groups.setdefault(key, {})[ext] = m
-        for key, parts in groups.items():
-            scan.exts.update(parts.keys())
-            label_ext = next((e for e in LABEL_EXTS if e in parts), None)
-            if label_ext is None:
-                raise ValueError(f"{tar_path}: sample {key!r} has no label ({'/'.join(LABEL_EXTS)} member)")
-            raw = tf.extractfile(parts[label_ext]).read().decode().strip()
-            if not raw.lstrip("-").isdigit():
-                raise ValueError(f"{tar_path}: label {raw!r} is not an integer class index; "
-                                 f"re-write the shards with integer .cls labels")
-            scan.labels[int(raw)] += 1
-            img_ext = next((e for e in IMAGE_EXTS if e in parts), None)
-            if img_ext and len(scan.images) < keep_images:
-                scan.images.append(tf.extractfile(parts[img_ext]).read())
-    scan.samples += len(groups)
-    return len(groups)
+def _label(tar: Path, fh, key: str, parts: dict, limit: int) -> tuple[str, int]:
+    ext = next((e for e in LABEL_EXTS if e in parts), None)
+    if ext is None:
+        raise DataError(f"{tar}: sample {key!r} has no label member (.{' .'.join(LABEL_EXTS)}); "
+                        f"it has {', '.join(sorted(parts))}")
+    try:
+        label = decode_label(read_member(fh, parts[ext]), ext)
+    except ValueError as e:
+        raise DataError(f"{tar}: member {key}.{ext}: {e}; write integer class indexes (0..K-1) as labels") from None
+    if not 0 <= label < limit:
+        raise DataError(f"{tar}: member {key}.{ext} holds label {label}, outside 0..{limit - 1}"
+                        + ("" if limit != MAX_CLASSES else "; pass --classes FILE if there really are that many"))
+    return ext, label
+
+
+def _scan(tar: Path, keep: int, scan: _Scan, limit: int) -> list[str]:
+    """Check one shard sample by sample; returns its `.idx` lines."""
+    entries = index_tar(tar)
+    with open(tar, "rb") as fh:
+        for key, parts in entries:
+            images = [e for e in parts if e in IMAGE_EXTS]
+            if len(images) != 1:
+                raise DataError(f"{tar}: sample {key!r} has {len(images)} image members ({', '.join(sorted(parts))}); "
+                                f"each sample needs exactly one of .{' .'.join(IMAGE_EXTS)}")
+            label_ext, label = _label(tar, fh, key, parts, limit)
+            scan.labels[label] += 1
+            scan.image_exts[images[0]] += 1
+            scan.label_exts[label_ext] += 1
+            if len(scan.images) < keep and parts[images[0]][1] <= MAX_STATS_IMAGE:
+                scan.images.append(read_member(fh, parts[images[0]]))
+    scan.samples += len(entries)
+    return [entry_line(k, p) for k, p in entries]
+
+
+def _one(counter: Counter, what: str, shards: str) -> str | None:
+    if len(counter) > 1:
+        mix = ", ".join(f"{n} .{e}" for e, n in counter.most_common())
+        raise DataError(f"{shards}: the samples mix {what} types ({mix}); fastpipe needs one {what} type per data "
+                        f"set: re-write the shards with one (or convert the images with `fastpipe shard`)")
+    return next(iter(counter), None)
 
 
 def _stats(images: list[bytes]) -> Stats:
     total = Stats.zero()
     for data in tqdm(images, desc="mean/std", unit="img", leave=False):
-        a = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"), dtype=np.float64).reshape(-1, 3) / 255
-        total = total + Stats(len(a), tuple(a.sum(0)), tuple((a * a).sum(0)))
+        try:
+            im = Image.open(io.BytesIO(data)).convert("RGB")
+        except (OSError, ValueError, SyntaxError):
+            continue  # an undecodable image: `fastpipe inspect --verify` reports it
+        h = np.asarray(im.histogram(), dtype=np.float64).reshape(3, 256)
+        v = np.arange(256) / 255.0
+        total = total + Stats(im.width * im.height, tuple(h @ v), tuple(h @ (v * v)))
     return total
 
 
-def _rel(path: Path, root: Path) -> str:
+def _inside(path: Path, out: Path) -> str:
     try:
-        return os.path.relpath(path.resolve(), root.resolve())
+        return path.resolve().relative_to(out.resolve()).as_posix()
     except ValueError:
-        return str(path.resolve())
+        raise ConfigError(f"{path} is not inside {out}: dataset.json lists shards by paths inside its own folder; "
+                          f"drop --out (the manifest goes beside the shards) or move the shards into {out}") from None
 
 
-def _index_split(paths: list[Path], out: Path, keep: int, scan: _Scan) -> list[ShardInfo]:
+def _split_files(cfg: IndexConfig) -> tuple[list[Path], list[Path], str | None]:
+    train = [local_path(p, "shard") for p in cfg.train]
+    val = [local_path(p, "shard") for p in cfg.val]
+    for p in train + val:
+        if not p.is_file():
+            raise ConfigError(f"{p}: no such shard file")
+    if val or cfg.idx_only:
+        return train, val, None
+    found = [p for p in train if VAL_NAME.search(p.name.split(".")[0])]
+    if found and len(found) < len(train):
+        return [p for p in train if p not in found], found, f"{len(found)} shards named like validation shards " \
+                                                            f"({found[0].name}, ...) form the val split"
+    return train, val, None
+
+
+def _index_split(paths: list[Path], out: Path, keep: int, scan: _Scan, limit: int) -> list[ShardInfo]:
     shards = []
     for tar in tqdm(paths, desc="indexing", unit="shard", leave=False):
-        if not tar.is_file():
-            raise ValueError(f"{tar}: no such shard file")
-        n = _scan(tar, keep, scan)
-        idx = out / (tar.name[: -len(".tar")] + ".idx") if tar.name.endswith(".tar") else out / (tar.name + ".idx")
-        write_index_file(idx, index_lines_of(tar))
-        shards.append(ShardInfo(_rel(tar, out), n, tar.stat().st_size, sha256_file(tar), _rel(idx, out)))
+        lines = _scan(tar, keep, scan, limit)
+        idx = index_path_for(tar)
+        write_index(idx, lines)
+        shards.append(ShardInfo(_inside(tar, out), len(lines), tar.stat().st_size, sha256_file(tar),
+                                _inside(idx, out)))
     return shards
 
 
+def _classes(cfg: IndexConfig) -> tuple[str, ...] | None:
+    if not cfg.classes_file:
+        return None
+    names = tuple(x.strip() for x in Path(cfg.classes_file).read_text().splitlines() if x.strip())
+    if len(set(names)) != len(names) or not names:
+        raise ConfigError(f"--classes {cfg.classes_file}: needs distinct names, one per line")
+    return names
+
+
+def _guard(out: Path, shard_paths: set[str], overwrite: bool) -> None:
+    existing, problem = outputs.read_manifest(out / MANIFEST_NAME)
+    same = existing is not None and existing.foreign and {
+        s.path for sp in existing.splits.values() for s in sp.shards} == shard_paths
+    if (existing is not None or problem) and not same and not overwrite:
+        raise ConfigError(f"{out / MANIFEST_NAME} already describes a data set; `fastpipe index` would replace it. "
+                          f"To rebuild only missing or damaged .idx files: `fastpipe index --idx-only SHARDS...`; "
+                          f"to replace the manifest: add --overwrite")
+
+
+def index_only(paths: list[Path]) -> int:
+    """Write the .idx of each shard (nothing else). Returns the samples indexed."""
+    total = 0
+    for tar in tqdm(paths, desc="indexing", unit="shard", leave=False):
+        entries = index_tar(tar)
+        write_index(index_path_for(tar), [entry_line(k, p) for k, p in entries])
+        total += len(entries)
+    return total
+
+
 def index_shards(cfg: IndexConfig) -> Manifest:
-    out = Path(cfg.out or cfg.train[0].parent)
-    out.mkdir(parents=True, exist_ok=True)
-    train_scan, val_scan = _Scan(), _Scan()
-    splits_shards = {"train": _index_split(cfg.train, out, cfg.stats_samples, train_scan),
-                     "val": _index_split(cfg.val, out, 0, val_scan)}
-    num = max([*train_scan.labels, *val_scan.labels, -1]) + 1
-    if cfg.classes_file:
-        classes = tuple(x.strip() for x in Path(cfg.classes_file).read_text().splitlines() if x.strip())
-        if len(classes) < num:
-            raise ValueError(f"{cfg.classes_file}: {len(classes)} names, but labels go up to {num - 1}")
-    else:
-        classes = tuple(str(i) for i in range(num))
-    image_ext = next((e for e in IMAGE_EXTS if e in train_scan.exts), "jpg")
-    label_ext = next((e for e in LABEL_EXTS if e in train_scan.exts), "cls")
-    splits = {name: SplitInfo(tuple(sh), tuple(scan.labels.get(i, 0) for i in range(len(classes))))
-              for (name, sh), scan in zip(splits_shards.items(), (train_scan, val_scan))}
-    manifest = Manifest(classes, splits, _stats(train_scan.images),
-                        {"indexed_from": "foreign shards", "stats_from_samples": len(train_scan.images)},
-                        Components(image=image_ext, label=label_ext, label_bin=None, meta=None), out)
-    save(manifest, out)
-    previews.contact_sheets(manifest, out / "previews")
+    train, val, note = _split_files(cfg)
+    out = local_path(cfg.out, "--out") if cfg.out else train[0].parent
+    shard_paths = {_inside(p, out) for p in train + val}
+    with FolderLock(out, "fastpipe index"):
+        _guard(out, shard_paths, cfg.overwrite)
+        names = _classes(cfg)
+        limit = len(names) if names else MAX_CLASSES
+        scans = {"train": _Scan(), "val": _Scan()}
+        shards = {"train": _index_split(train, out, cfg.stats_samples, scans["train"], limit),
+                  "val": _index_split(val, out, 0, scans["val"], limit)}
+        both = scans["train"].image_exts + scans["val"].image_exts
+        image_ext = _one(both, "image", f"{out}") or "jpg"
+        label_ext = _one(scans["train"].label_exts + scans["val"].label_exts, "label", f"{out}") or "cls"
+        num = max([*scans["train"].labels, *scans["val"].labels, -1]) + 1
+        classes = names or tuple(str(i) for i in range(num))
+        splits = {name: SplitInfo(tuple(sh), tuple(scans[name].labels.get(i, 0) for i in range(len(classes))))
+                  for name, sh in shards.items()}
+        manifest = Manifest(classes, splits, _stats(scans["train"].images),
+                            {"indexed_from": "foreign shards", "stats_from_samples": len(scans["train"].images),
+                             **({"note": note} if note else {})},
+                            Components(image=image_ext, label=label_ext, label_bin=None, meta=None), out)
+        names_ = previews.contact_sheets(manifest, out / "previews")
+        manifest.outputs["previews"] = {c: f"previews/{f}" for c, f in names_.items()}
+        save(manifest, out)
     return manifest

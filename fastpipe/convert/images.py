@@ -19,8 +19,13 @@ REASONS = (
     "not-an-image",  # no image format recognised
     "truncated",  # the file ends before the image data does
     "corrupt",  # decoder error inside the data
-    "too-large",  # more pixels than --max-pixels (decompression-bomb guard)
+    "too-large",  # more pixels than --max-pixels (decompression-bomb guard), or a file over --max-file-size
     "unreadable",  # OS error reading the file (permissions, I/O)
+    "not-a-file",  # a named pipe, device or socket (never read: it could block or never end)
+    "symlink-loop",  # a folder link back into the tree: not followed
+    "bad-name",  # a file name that is not valid UTF-8
+    "no-class",  # a file not inside a class folder
+    "other-split",  # beside SRC/train and SRC/val (e.g. SRC/test): only those two are converted
     "missing",  # a list row names a file that does not exist
     "outside-root",  # a list row's path escapes the list's folder
     "bad-row",  # a list row without a path and a label

@@ -1,26 +1,33 @@
-"""`fastpipe inspect OUT [--verify]`: what a converted data set holds, and whether it is intact."""
+"""`fastpipe inspect OUT [--verify [--repair]]`: what a converted data set holds, whether it is intact, and the
+repair DALI needs (it cannot skip an undecodable sample; its reader reads only what the `.idx` lists)."""
 
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from PIL import Image
 from tqdm import tqdm
 
-from fastpipe.convert.writer import read_index, read_member, sha256_file
-from fastpipe.manifest import Manifest, load
+from fastpipe.errors import DataError
+from fastpipe.manifest import Manifest, SplitInfo, load, save
+from fastpipe.shardformat import decode_label, entry_line, read_index, read_member, sha256_file, write_index
+from fastpipe.util import FolderLock, write_jsonl_atomic
 
 
 @dataclass
 class Report:
     lines: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    bad: list[dict] = field(default_factory=list)  # undecodable samples: shard, key, label, reason
+
+    repaired: bool = False
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return not self.problems and (not self.bad or self.repaired)
 
 
 def _summary(m: Manifest) -> list[str]:
@@ -35,7 +42,7 @@ def _summary(m: Manifest) -> list[str]:
         val = m.splits.get("val")
         for i, c in enumerate(m.classes):
             v = val.class_counts[i] if val and val.class_counts else 0
-            lines.append(f"  {c:24s} {train.class_counts[i]:7d} {v:6d} {weights[i]:7.2f}")
+            lines.append(f"  {c[:24]:24s} {train.class_counts[i]:7d} {v:6d} {weights[i]:7.2f}")
         nz = [c for c in train.class_counts if c]
         lines.append(f"  imbalance (largest / smallest class): {max(nz) / min(nz):.1f} : 1")
     lines.append("  mean " + " ".join(f"{x:.4f}" for x in m.mean) + "   std " + " ".join(f"{x:.4f}" for x in m.std))
@@ -44,36 +51,112 @@ def _summary(m: Manifest) -> list[str]:
     rejected = m.root / "rejected.jsonl"
     if rejected.exists():
         lines.append(f"  rejected at conversion: {len(rejected.read_text().splitlines())} (see {rejected})")
+    if m.settings.get("repaired"):
+        lines.append(f"  left out by `inspect --repair`: {m.settings['repaired']} (see {m.root / 'repaired.jsonl'})")
     return lines
 
 
-def _verify_shard(m: Manifest, shard, report: Report) -> int:
+def _check_sample(m: Manifest, fh, parts: dict) -> tuple[int | None, str | None]:
+    """(label, problem): the image must decode and the label must name one of the classes."""
+    label_ext = m.components.label_bin or m.components.label
+    label = None
+    try:
+        label = decode_label(read_member(fh, parts[label_ext]), label_ext)
+        if not 0 <= label < m.num_classes:
+            return None, f"label {label} is outside the {m.num_classes} classes"
+        Image.open(io.BytesIO(read_member(fh, parts[m.components.image]))).load()
+    except Exception as e:  # any failure here is a finding to report, not a crash
+        return label, f"{type(e).__name__}: {e}"
+    return label, None
+
+
+def _verify_shard(m: Manifest, split: str, shard, report: Report) -> int:
     tar = m.root / shard.path
     if not tar.is_file():
         report.problems.append(f"{tar}: missing")
         return 0
     if tar.stat().st_size != shard.bytes or sha256_file(tar) != shard.sha256:
         report.problems.append(f"{tar}: checksum differs from dataset.json (altered or truncated)")
-    samples = read_index(m.root / shard.index)
+        return 0
+    try:
+        samples = read_index(m.root / shard.index, shard.bytes)
+    except (DataError, OSError) as e:
+        report.problems.append(str(e))
+        return 0
     if len(samples) != shard.samples:
         report.problems.append(f"{tar}: index lists {len(samples)} samples, manifest {shard.samples}")
     with open(tar, "rb") as fh:
-        for i, sample in enumerate(samples):
-            try:
-                Image.open(io.BytesIO(read_member(fh, sample[m.components.image]))).load()
-                int(read_member(fh, sample[m.components.label]))
-            except Exception as e:  # any failure here is a finding to report, not a crash
-                report.problems.append(f"{tar} sample {i}: {type(e).__name__}: {e}")
+        for key, parts in samples:
+            label, problem = _check_sample(m, fh, parts)
+            if problem:
+                report.bad.append({"split": split, "shard": shard.path, "key": key, "label": label,
+                                   "reason": problem[:300]})
     return len(samples)
 
 
-def inspect(out: Path, verify: bool = False) -> Report:
+def inspect(out: Path, verify: bool = False, repair: bool = False) -> Report:
     m = load(out)
     report = Report(_summary(m))
-    if verify:
-        shards = [s for sp in m.splits.values() for s in sp.shards]
-        checked = sum(_verify_shard(m, s, report) for s in tqdm(shards, desc="verifying", unit="shard"))
+    if verify or repair:
+        shards = [(name, s) for name, sp in m.splits.items() for s in sp.shards]
+        checked = sum(_verify_shard(m, n, s, report) for n, s in tqdm(shards, desc="verifying", unit="shard"))
+        found = len(report.problems) + len(report.bad)
         report.lines.append(f"verified {checked} samples in {len(shards)} shards: "
-                            + ("all intact" if report.ok else f"{len(report.problems)} problems"))
+                            + (f"{found} problems" if found else "all intact"))
         report.lines += [f"  PROBLEM {p}" for p in report.problems[:50]]
+        report.lines += [f"  PROBLEM {b['shard']} sample {b['key']}: {b['reason']}" for b in report.bad[:50]]
+        if repair and report.bad:
+            report.lines += repair_indexes(m, report.bad)
+            report.repaired = True
+        elif report.bad:
+            report.lines.append(f"  {len(report.bad)} undecodable samples: the torch and nvjpeg backends skip them, "
+                                f"DALI stops. `fastpipe inspect {m.root} --repair` leaves them out of the .idx "
+                                f"files (the shards stay as they are)")
     return report
+
+
+def repair_indexes(m: Manifest, bad: list[dict]) -> list[str]:
+    """Rewrite the `.idx` of each shard with bad samples without them, and dataset.json with the new counts;
+    the samples left out are listed in repaired.jsonl. The tars are not touched (their checksums still hold)."""
+    with FolderLock(m.root, "fastpipe inspect --repair"):
+        by_shard: dict[str, set[str]] = {}
+        for b in bad:
+            by_shard.setdefault(b["shard"], set()).add(b["key"])
+        splits = {}
+        for name, sp in m.splits.items():
+            counts, shards = list(sp.class_counts), []
+            for s in sp.shards:
+                drop = by_shard.get(s.path, set())
+                if drop:
+                    kept = [(k, p) for k, p in read_index(m.root / s.index, s.bytes) if k not in drop]
+                    write_index(m.root / s.index, [entry_line(k, p) for k, p in kept])
+                    s = replace(s, samples=len(kept))
+                shards.append(s)
+            mine = [b for b in bad if b["split"] == name]
+            if any(b["label"] is None or not 0 <= b["label"] < len(counts) for b in mine):
+                counts = _recount(m, shards)  # a label we could not read: count the kept samples again
+            else:
+                for b in mine:
+                    counts[b["label"]] -= 1
+            splits[name] = SplitInfo(tuple(shards), tuple(counts))
+        previous = _previous_repairs(m.root)
+        write_jsonl_atomic(m.root / "repaired.jsonl", previous + bad)
+        settings = {**m.settings, "repaired": len(previous) + len(bad)}
+        save(replace(m, splits=splits, settings=settings))
+    return [f"  repaired: {len(bad)} samples left out of {len(by_shard)} index files "
+            f"(listed in {m.root / 'repaired.jsonl'}); dataset.json counts updated"]
+
+
+def _recount(m: Manifest, shards) -> list[int]:
+    label_ext = m.components.label_bin or m.components.label
+    counts = [0] * m.num_classes
+    for s in shards:
+        with open(m.root / s.path, "rb") as fh:
+            for _key, parts in read_index(m.root / s.index, s.bytes):
+                counts[decode_label(read_member(fh, parts[label_ext]), label_ext)] += 1
+    return counts
+
+
+def _previous_repairs(root: Path) -> list[dict]:
+    path = root / "repaired.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []

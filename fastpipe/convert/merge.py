@@ -11,8 +11,8 @@ import re
 from pathlib import Path
 
 from fastpipe.convert import previews
-from fastpipe.convert.driver import write_rejected
 from fastpipe.manifest import Manifest, ManifestError, SplitInfo, Stats, from_dict, save
+from fastpipe.util import FolderLock, local_path, write_jsonl_atomic
 
 PART_RE = re.compile(r"dataset\.part-(\d{3})-of-(\d{3})\.json$")
 
@@ -36,6 +36,12 @@ def _parts(out: Path) -> list[Manifest]:
 
 
 def merge_parts(out: Path) -> Manifest:
+    out = local_path(out, "OUT")
+    with FolderLock(out, "fastpipe merge"):
+        return _merge(out)
+
+
+def _merge(out: Path) -> Manifest:
     parts = _parts(out)
     splits = {}
     for name in parts[0].splits:
@@ -45,10 +51,12 @@ def merge_parts(out: Path) -> Manifest:
     stats = sum((m.stats for m in parts), Stats.zero())
     settings = {k: v for k, v in parts[0].settings.items() if k not in ("part", "fingerprint")}
     settings["fingerprint"] = "merged:" + ",".join(m.settings["fingerprint"][:16] for m in parts)
-    manifest = Manifest(parts[0].classes, splits, stats, settings, parts[0].components, out)
+    manifest = Manifest(parts[0].classes, splits, stats, settings, parts[0].components, out,
+                        {"rejected": "rejected.jsonl"})
     rejected = [json.loads(line) for p in sorted(out.glob("rejected.part-*-of-*.jsonl"))
                 for line in p.read_text().splitlines()]
-    write_rejected(out / "rejected.jsonl", sorted(rejected, key=lambda r: (r["path"], r["reason"])))
-    save(manifest, out)
-    previews.contact_sheets(manifest, out / "previews", seed=settings.get("seed", 0))
+    write_jsonl_atomic(out / "rejected.jsonl", sorted(rejected, key=lambda r: (r["path"], r["reason"])))
+    names = previews.contact_sheets(manifest, out / "previews", seed=settings.get("seed", 0))
+    manifest.outputs["previews"] = {c: f"previews/{f}" for c, f in names.items()}
+    save(manifest, out)  # last: the merge is complete only when every output is
     return manifest

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.pool import ThreadPool
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import numpy as np
 from tqdm import tqdm
 
 from fastpipe.convert.sources import Item, Rejection, Source
+from fastpipe.util import FileTooLarge, NotRegularFile, read_regular
 
 
 @dataclass(frozen=True)
@@ -25,27 +27,34 @@ class Sample:
     label: int
 
 
-def _hash_one(path: str) -> tuple[str, int] | str:
+def _hash_one(path: str, limit: int) -> tuple[str, int] | Rejection:
+    """sha256 and size of a regular file of at most `limit` bytes; otherwise the rejection."""
     try:
-        data = Path(path).read_bytes()
+        data = read_regular(Path(path), limit)
+    except FileTooLarge as e:
+        return Rejection(path, "too-large", f"{e}; raise --max-file-size to convert it")
+    except NotRegularFile as e:
+        return Rejection(path, "not-a-file", str(e))
     except OSError as e:
-        return f"{type(e).__name__}: {e.strerror or e}"
+        return Rejection(path, "unreadable", f"{type(e).__name__}: {e.strerror or e}")
     return hashlib.sha256(data).hexdigest(), len(data)
 
 
-def hash_files(source: Source, threads: int) -> tuple[dict[str, str], list[Rejection]]:
+def hash_files(source: Source, threads: int, limit: int = 1024**3) -> tuple[dict[str, str], list[Rejection]]:
     """sha256 of every file (one read each; the duplicate check needs it before any decoding).
 
     Threads, not the process pool: reading and hashlib release the GIL, and the conversion processes can
     finish starting up (importing numpy and Pillow) meanwhile."""
     paths = [str(source.root / i.path) for i in source.items]
     pool = ThreadPool(threads) if threads > 1 else None
-    results = pool.imap(_hash_one, paths, chunksize=8) if pool else map(_hash_one, paths)
+    one = partial(_hash_one, limit=limit)
+    results = pool.imap(one, paths, chunksize=8) if pool else map(one, paths)
     hashes, rejected = {}, []
     for item, r in tqdm(zip(source.items, results), total=len(paths), desc="hashing", unit="file",
                         leave=False, mininterval=0.5):
-        if isinstance(r, str):
-            rejected.append(Rejection(item.path, "unreadable", r))
+        if isinstance(r, Rejection):
+            rejected.append(Rejection(item.path, r.reason, r.detail.replace(str(source.root / item.path),
+                                                                            item.path)))
         elif r[1] == 0:
             rejected.append(Rejection(item.path, "empty", "0 bytes"))
         else:

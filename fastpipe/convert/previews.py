@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import io
 import re
 from collections import defaultdict
@@ -10,25 +12,41 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from fastpipe.convert.writer import read_index, read_member
 from fastpipe.manifest import Manifest
+from fastpipe.shardformat import decode_label, read_index, read_member
+from fastpipe.util import atomic_write_bytes
 
 CELL = 220
 TITLE = 28
 
 
+def preview_names(classes) -> dict[str, str]:
+    """A distinct, safe file name per class: the name itself when it is plain ASCII, else a readable slug plus a
+    hash of the exact name, so that 'a b', 'a/b', 'a_b', '猫' and '犬' never share a file and '..' or a
+    300-character label cannot escape the folder or exceed a name limit."""
+    names = {}
+    for c in classes:
+        slug = re.sub(r"[^\w-]+", "_", c, flags=re.ASCII).strip("_")[:60]
+        if slug != c:
+            slug = f"{slug or 'class'}-{hashlib.sha1(c.encode('utf-8', 'surrogatepass')).hexdigest()[:8]}"
+        names[c] = f"{slug}.jpg"
+    return names
+
+
 def _locate_by_class(manifest: Manifest) -> dict[int, list[tuple[Path, tuple[int, int]]]]:
     """Where each class's images are: (shard, (offset, size)) read through the .idx files."""
     comp = manifest.components
+    label_ext = comp.label_bin or comp.label
     found = defaultdict(list)
     for split in manifest.splits.values():
         for shard in split.shards:
             tar = manifest.root / shard.path
             with open(tar, "rb") as fh:
-                for sample in read_index(manifest.root / shard.index):
-                    if comp.image in sample and comp.label in sample:
-                        label = int(read_member(fh, sample[comp.label]).decode().strip())
-                        found[label].append((tar, sample[comp.image]))
+                for _key, sample in read_index(manifest.root / shard.index, shard.bytes):
+                    if comp.image in sample and label_ext in sample:
+                        with contextlib.suppress(ValueError):  # inspect --verify reports a bad label
+                            found[decode_label(read_member(fh, sample[label_ext]), label_ext)].append(
+                                (tar, sample[comp.image]))
     return found
 
 
@@ -40,26 +58,32 @@ def _tile(data: bytes) -> Image.Image:
     return im
 
 
-def contact_sheets(manifest: Manifest, folder: Path, seed: int = 0, per_class: int = 9) -> list[Path]:
-    """Write previews/<class>.jpg for each class; returns the files written."""
+def _sheet(manifest: Manifest, name: str, where: list, rng, per_class: int) -> Image.Image:
+    side = int(np.ceil(np.sqrt(per_class)))
+    picks = rng.choice(len(where), size=min(per_class, len(where)), replace=False) if where else []
+    sheet = Image.new("RGB", (side * CELL, side * CELL + TITLE), (30, 30, 30))
+    ImageDraw.Draw(sheet).text((8, 8), f"{name[:60]}  ({len(where)} samples, {len(picks)} shown)",
+                               fill=(240, 240, 240))
+    for i, j in enumerate(picks):
+        tar, loc = where[j]
+        try:
+            with open(tar, "rb") as fh:
+                tile = _tile(read_member(fh, loc))
+        except (OSError, ValueError, SyntaxError):
+            continue  # an undecodable sample: the loaders skip it, inspect --verify names it
+        x, y = (i % side) * CELL, (i // side) * CELL + TITLE
+        sheet.paste(tile, (x + (CELL - tile.width) // 2, y + (CELL - tile.height) // 2))
+    return sheet
+
+
+def contact_sheets(manifest: Manifest, folder: Path, seed: int = 0, per_class: int = 9) -> dict[str, str]:
+    """Write folder/<file>.jpg for each class; returns {class: file name} (also recorded in dataset.json)."""
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     found = _locate_by_class(manifest)
-    side = int(np.ceil(np.sqrt(per_class)))
-    written = []
+    names = preview_names(manifest.classes)
     for label, name in enumerate(manifest.classes):
-        where = found.get(label, [])
-        picks = rng.choice(len(where), size=min(per_class, len(where)), replace=False) if where else []
-        sheet = Image.new("RGB", (side * CELL, side * CELL + TITLE), (30, 30, 30))
-        ImageDraw.Draw(sheet).text((8, 8), f"{name}  ({len(where)} samples, {len(picks)} shown)",
-                                   fill=(240, 240, 240))
-        for i, j in enumerate(picks):
-            tar, loc = where[j]
-            with open(tar, "rb") as fh:
-                tile = _tile(read_member(fh, loc))
-            x, y = (i % side) * CELL, (i // side) * CELL + TITLE
-            sheet.paste(tile, (x + (CELL - tile.width) // 2, y + (CELL - tile.height) // 2))
-        path = folder / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}.jpg"
-        sheet.save(path, quality=85)
-        written.append(path)
-    return written
+        buf = io.BytesIO()
+        _sheet(manifest, name, found.get(label, []), rng, per_class).save(buf, "JPEG", quality=85)
+        atomic_write_bytes(folder / names[name], buf.getvalue())
+    return names

@@ -1,20 +1,26 @@
 """Find the files to convert: an ImageFolder tree or a CSV/TXT list of `path,label` rows.
 
-The result is a list of `Item`s (files to read) and a list of `Rejection`s (rows or paths refused before
-reading), both with paths relative to SRC so that rejected.jsonl is readable on another machine.
+The result is a list of `Item`s (files to read) and a list of `Rejection`s (files or rows refused before reading),
+both with paths relative to SRC so that rejected.jsonl is readable on another machine. Nothing found is dropped
+silently: a file is an item, a rejection, or counted as ignored (hidden and system files only).
 """
 
 from __future__ import annotations
 
 import csv
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-# Files every photo collection carries that are not photos; skipped without a record.
-SYSTEM_FILES = {"thumbs.db", "desktop.ini", "icon\r"}
+from fastpipe.errors import ConfigError, DataError
+
+# Files and folders every photo collection carries that are not photos: ignored, and counted in the summary.
+SYSTEM_NAMES = {"thumbs.db", "desktop.ini", "icon\r", "__macosx", "__pycache__", "$recycle.bin"}
 LIST_SUFFIXES = {".csv", ".txt", ".tsv", ".lst"}
-HEADER_LABELS = {"label", "labels", "class", "category", "target", "y"}
+HEADER_WORDS = {"label", "labels", "class", "classes", "category", "target", "y", "class_id", "classid",
+                "class_name", "label_id", "path", "file", "filename", "file_name", "image", "img", "image_path",
+                "filepath", "id", "name"}
 
 
 @dataclass(frozen=True)
@@ -40,52 +46,173 @@ class Source:
     items: tuple[Item, ...]
     rejections: tuple[Rejection, ...]
     classes: tuple[str, ...]
+    ignored: int = 0  # hidden and system files
+    notes: tuple[str, ...] = ()  # what the summary should tell (header row, numeric labels, ...)
 
 
 def _is_hidden(name: str) -> bool:
-    return name.startswith(".") or name.startswith("__") or name.lower() in SYSTEM_FILES
+    return name.startswith(".") or name.lower() in SYSTEM_NAMES
 
 
-def _walk(folder: Path) -> list[Path]:
-    """Every non-hidden file below folder, in a stable order (hidden folders are not entered)."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
-        dirnames[:] = sorted(d for d in dirnames if not _is_hidden(d))
-        found.extend(Path(dirpath) / f for f in sorted(filenames) if not _is_hidden(f))
-    return found
+def display(path: Path | str) -> str:
+    """A path as text that can always be printed and written as UTF-8 (undecodable bytes shown as \\xNN)."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
-def _class_dirs(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if p.is_dir() and not _is_hidden(p.name))
-
-
-def from_folder(root: Path) -> Source:
-    """ImageFolder: SRC/<class>/**/file, or SRC/{train,val}/<class>/**/file for a fixed split."""
-    subdirs = {p.name for p in _class_dirs(root)}
-    fixed_split = {"train", "val"} <= subdirs
-    items: list[Item] = []
-    for split in ("train", "val") if fixed_split else (None,):
-        base = root / split if split else root
-        for class_dir in _class_dirs(base):
-            items += [Item(p.relative_to(root).as_posix(), class_dir.name, split) for p in _walk(class_dir)]
-    if not items:
-        raise ValueError(f"{root}: no files found in class folders. Expected SRC/<class>/<image files> "
-                         f"(or SRC/train/<class>/..., SRC/val/<class>/...), or a CSV list of path,label rows")
-    classes = sorted({i.label for i in items})
-    return Source(root, tuple(items), (), tuple(classes))
-
-
-def _read_rows(path: Path) -> list[list[str]]:
-    text = path.read_text(encoding="utf-8-sig")
-    sample = text[:4096]
+def _utf8(name: str) -> bool:
     try:
-        dialect = csv.Sniffer().sniff(sample, delimiters=",\t;")
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class _Walk:
+    """Every file below a folder in a stable order, following folder links but never into a loop (each real folder
+    is entered once), and only regular files: a FIFO, a device or a socket is a rejection, not a hang."""
+
+    def __init__(self, root: Path, exclude: Path | None):
+        self.root = root
+        self.files: list[Path] = []
+        self.rejections: list[Rejection] = []
+        self.ignored = 0
+        st = root.stat()
+        self._seen: set[tuple[int, int]] = {(st.st_dev, st.st_ino)}
+        # OUT inside SRC: our own output is never input (compared by identity, whatever the spelling or links).
+        self._exclude = _identity(exclude)
+
+    def rel(self, p: Path) -> str:
+        return display(p.relative_to(self.root).as_posix())
+
+    def folder(self, d: Path) -> None:
+        ident = _identity(d)
+        if ident == self._exclude:
+            return
+        if ident in self._seen:
+            self.rejections.append(Rejection(self.rel(d), "symlink-loop", "a link to a folder that is already "
+                                             "converted (a loop, or a second link to it): not followed"))
+            return
+        self._seen.add(ident)
+        try:
+            entries = sorted(os.scandir(d), key=lambda e: e.name)
+        except OSError as e:
+            self.rejections.append(Rejection(self.rel(d), "unreadable", f"{type(e).__name__}: {e.strerror or e}"))
+            return
+        for e in entries:
+            self.entry(d / e.name, e.name)
+
+    def entry(self, p: Path, name: str) -> None:
+        if _is_hidden(name):
+            self.ignored += 1
+            return
+        if not _utf8(name):
+            self.rejections.append(Rejection(self.rel(p), "bad-name", "the name is not valid UTF-8: rename it"))
+            return
+        try:
+            st = p.stat()
+        except OSError as e:
+            self.rejections.append(Rejection(self.rel(p), "unreadable", f"{type(e).__name__}: {e.strerror or e}"))
+            return
+        if stat.S_ISDIR(st.st_mode):
+            self.folder(p)
+        elif stat.S_ISREG(st.st_mode):
+            self.files.append(p)
+        else:
+            self.rejections.append(Rejection(self.rel(p), "not-a-file", "a named pipe, device or socket"))
+
+
+def _identity(p: Path | None) -> tuple[int, int] | None:
+    try:
+        st = p.stat() if p is not None else None
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if st else None
+
+
+def class_order(labels) -> tuple[str, ...]:
+    """Class names in label order: numeric order when every label is an integer (so '2' stays class 2 before
+    '10'), else sorted as text (torchvision's ImageFolder order)."""
+    labels = set(labels)
+    if labels and all(x.isdigit() for x in labels):
+        return tuple(sorted(labels, key=lambda x: (int(x), x)))
+    return tuple(sorted(labels))
+
+
+def _numeric_note(classes: tuple[str, ...]) -> tuple[str, ...]:
+    if classes and all(c.isdigit() for c in classes) and [int(c) for c in classes] != list(range(len(classes))):
+        return (f"integer labels {classes[0]}..{classes[-1]} are not 0..{len(classes) - 1}: class index i is the "
+                f"i-th label in numeric order (dataset.json 'classes' lists them)",)
+    return ()
+
+
+def from_folder(root: Path, exclude: Path | None = None) -> Source:
+    """ImageFolder: SRC/<class>/**/file, or SRC/{train,val}/<class>/**/file for a fixed split."""
+    walk = _Walk(root, exclude)
+    top = sorted(os.scandir(root), key=lambda e: e.name)
+    names = {e.name for e in top if e.is_dir() and not _is_hidden(e.name)}
+    fixed = {"train", "val"} <= names
+    items: list[Item] = []
+    for e in top:
+        p = root / e.name
+        if e.is_dir() and fixed and e.name in ("train", "val"):
+            for c in sorted(os.scandir(p), key=lambda x: x.name):
+                items += _class_items(walk, p / c.name, c.name, e.name, root)
+        elif e.is_dir() and not fixed:
+            items += _class_items(walk, p, e.name, None, root)
+        else:
+            reason, why = ("other-split", "only SRC/train and SRC/val are converted when both exist") if fixed \
+                else ("no-class", "not inside a class folder (SRC/<class>/...)")
+            items += _class_items(walk, p, None, None, root, (reason, why))
+    if not items:
+        raise DataError(f"{root}: no image files found in class folders. Expected SRC/<class>/<image files> (or "
+                        f"SRC/train/<class>/..., SRC/val/<class>/...), or a CSV list of path,label rows")
+    classes = class_order(i.label for i in items)
+    return Source(root, tuple(items), tuple(walk.rejections), classes, walk.ignored, _numeric_note(classes))
+
+
+def _class_items(walk: _Walk, path: Path, label: str | None, split: str | None, root: Path,
+                 refuse: tuple[str, str] | None = None) -> list[Item]:
+    """The files under one class folder (or, with `refuse`, files that belong to no class: rejections)."""
+    before = len(walk.files)
+    if label is not None and not _is_hidden(label) and not path.is_dir():
+        refuse = ("no-class", "not inside a class folder (SRC/<class>/...)")
+    walk.entry(path, path.name)
+    found = walk.files[before:]
+    del walk.files[before:]
+    if refuse or label is None:
+        walk.rejections += [Rejection(walk.rel(p), *refuse) for p in found]
+        return []
+    return [Item(p.relative_to(root).as_posix(), label, split) for p in found]
+
+
+def _is_header(row: list[str], root: Path) -> bool:
+    """The first row is a header when it names no file and reads like column names: a known word in either
+    column, or a first cell with no folder separator and no file extension."""
+    if len(row) < 2:
+        return False
+    first, second = row[0].strip(), row[1].strip()
+    if (root / first).is_file():
+        return False
+    words = {first.lower(), second.lower()}
+    return bool(words & HEADER_WORDS) or ("/" not in first and "\\" not in first and "." not in first)
+
+
+def _read_rows(path: Path) -> tuple[list[tuple[int, list[str]]], str | None]:
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text ({e}); save the list as UTF-8") from None
+    try:
+        dialect = csv.Sniffer().sniff(text[:4096], delimiters=",\t;")
     except csv.Error:
         dialect = csv.excel
-    rows = [r for r in csv.reader(text.splitlines(), dialect) if any(c.strip() for c in r)]
-    if rows and len(rows[0]) > 1 and rows[0][1].strip().lower() in HEADER_LABELS:
+    rows = [(n, r) for n, r in enumerate(csv.reader(text.splitlines(), dialect), start=1)
+            if any(c.strip() for c in r)]
+    header = None
+    if rows and _is_header(rows[0][1], path.parent):
+        header = ",".join(rows[0][1])
         rows = rows[1:]
-    return rows
+    return rows, header
 
 
 def _check_row(root: Path, row: list[str], lineno: int) -> Item | Rejection:
@@ -97,29 +224,38 @@ def _check_row(root: Path, row: list[str], lineno: int) -> Item | Rejection:
         rel = full.resolve().relative_to(root.resolve())
     except ValueError:
         return Rejection(raw, "outside-root", f"resolves outside the list's folder {root}")
-    if not full.is_file():
+    except (OSError, RuntimeError) as e:  # a symlink loop in the path
+        return Rejection(raw, "unreadable", f"{type(e).__name__}: {e}")
+    if not full.exists():
         return Rejection(rel.as_posix(), "missing", "no such file")
+    if not full.is_file():
+        return Rejection(rel.as_posix(), "not-a-file", "a folder, named pipe, device or socket")
     return Item(rel.as_posix(), label, None)
 
 
 def from_list(list_file: Path) -> Source:
     """A CSV/TXT of path,label rows (header optional); paths relative to the list's own folder."""
     root = list_file.parent
+    rows, header = _read_rows(list_file)
     items, rejections = [], []
-    for lineno, row in enumerate(_read_rows(list_file), start=1):
+    for lineno, row in rows:
         checked = _check_row(root, row, lineno)
         (items if isinstance(checked, Item) else rejections).append(checked)
     if not items:
-        raise ValueError(f"{list_file}: no usable 'path,label' rows ({len(rejections)} rejected)")
-    return Source(root, tuple(items), tuple(rejections), tuple(sorted({i.label for i in items})))
+        raise DataError(f"{list_file}: no usable 'path,label' rows ({len(rejections)} rejected)")
+    classes = class_order(i.label for i in items)
+    notes = ((f"header row skipped: {header!r}",) if header else ()) + _numeric_note(classes)
+    return Source(root, tuple(items), tuple(rejections), classes, 0, notes)
 
 
-def discover(src: str | os.PathLike) -> Source:
+def discover(src: str | os.PathLike, exclude: Path | None = None) -> Source:
+    """The items of SRC; `exclude` (the output folder, when it lies inside SRC) is never entered."""
     src = Path(src)
     if src.is_dir():
-        return from_folder(src)
+        return from_folder(src, exclude)
     if src.is_file() and src.suffix.lower() in LIST_SUFFIXES:
         return from_list(src)
     if not src.exists():
-        raise ValueError(f"{src} does not exist")
-    raise ValueError(f"{src}: expected a folder of class folders or a list file ({', '.join(sorted(LIST_SUFFIXES))})")
+        raise ConfigError(f"{src} does not exist")
+    raise ConfigError(f"{src}: expected a folder of class folders or a list file "
+                      f"({', '.join(sorted(LIST_SUFFIXES))})")

@@ -6,6 +6,7 @@ import importlib
 import os
 from dataclasses import fields
 
+from fastpipe.errors import ConfigError
 from fastpipe.loaders.config import LoaderConfig
 from fastpipe.manifest import Manifest, load
 
@@ -16,11 +17,12 @@ BACKENDS = {
     "nvjpeg": "fastpipe.loaders.nvjpeg:NvjpegLoader",
     "synthetic": "fastpipe.loaders.synthetic:SyntheticLoader",
 }
+BACKEND_NAMES = tuple(BACKENDS)
 
 
 def backend_class(name: str):
     if name not in BACKENDS:
-        raise ValueError(f"unknown loader backend {name!r}: valid backends are {', '.join(BACKENDS)}")
+        raise ConfigError(f"unknown loader backend {name!r}: valid backends are {', '.join(BACKENDS)}")
     module, cls = BACKENDS[name].split(":")
     return getattr(importlib.import_module(module), cls)
 
@@ -42,4 +44,4 @@ def make_loader(out: str | os.PathLike, backend: str = "torch", **settings):
     return make_loader_from(load(out), LoaderConfig(backend=backend, **settings))
 
 
-__all__ = ["BACKENDS", "LoaderConfig", "make_loader", "make_loader_from"]
+__all__ = ["BACKENDS", "BACKEND_NAMES", "LoaderConfig", "make_loader", "make_loader_from"]

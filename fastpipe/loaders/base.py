@@ -12,6 +12,7 @@ stream one batch ahead, and turned into normalised floats on the device (timm's 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
@@ -40,9 +41,10 @@ class DeviceStep:
 
     def __init__(self, device: torch.device, mean, std, normalize: bool):
         self.device, self.normalize = device, normalize
-        # Scaled by 255 so that the uint8 input is normalised in one subtract and one divide.
+        # Scaled by 255 so that the uint8 input is normalised in one subtract and one divide. A channel that never
+        # varies (std 0: a synthetic set, one grey image) would divide by zero: at least one grey level.
         self.mean = torch.tensor(mean, device=device, dtype=torch.float32).view(1, 3, 1, 1) * 255
-        self.std = torch.tensor(std, device=device, dtype=torch.float32).view(1, 3, 1, 1) * 255
+        self.std = torch.tensor(std, device=device, dtype=torch.float32).view(1, 3, 1, 1).clamp(min=1 / 255) * 255
 
     def images(self, nhwc: torch.Tensor) -> torch.Tensor:
         x = nhwc.to(self.device, non_blocking=True).permute(0, 3, 1, 2)  # NCHW view = channels_last
@@ -59,6 +61,14 @@ class DeviceStep:
         return y.to(self.device, non_blocking=True).long()
 
 
+def _warn_upscaling(manifest: Manifest, cfg: LoaderConfig) -> None:
+    stored = manifest.settings.get("short_side")
+    if stored and cfg.image_size > stored:
+        warnings.warn(f"image_size {cfg.image_size} is larger than the stored short side ({stored} px): every "
+                      f"image is upscaled, which adds no detail. Use image_size <= {stored}, or re-shard with "
+                      f"--short-side {int(cfg.image_size * 1.15)}", stacklevel=3)
+
+
 class Loader:
     """Base of the backends: they implement `_host_batches()` and, where needed, `_to_device(batch)`."""
 
@@ -73,6 +83,8 @@ class Loader:
         self.epoch = 0
         self.stats = LoaderStats()
         self.step = DeviceStep(self.device, manifest.mean, manifest.std, self.cfg.normalize)
+        if self.name != "synthetic":
+            _warn_upscaling(manifest, self.cfg)
 
     def __len__(self) -> int:
         return self.batches

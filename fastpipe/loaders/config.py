@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from fastpipe.errors import ConfigError
+
 SPLITS = ("train", "val")
 ON_ERROR = ("skip", "raise")
 
@@ -15,7 +17,9 @@ class LoaderConfig:
     batch_size: int = 64
     image_size: int = 224
     device: str | None = None  # None: cuda when available, else cpu
-    num_workers: int | None = None  # None: measured once per machine and data set, then cached
+    # None: the cores per device less one (workers.heuristic_workers); "probe": measured once per machine and data
+    # set and cached (logged); 0: decode in the training process.
+    num_workers: int | str | None = None
     rank: int | None = None  # None: from torch.distributed when initialised, else 0
     world_size: int | None = None
     seed: int = 0
@@ -49,14 +53,16 @@ class LoaderConfig:
 
     def validate(self) -> None:
         if self.split not in SPLITS:
-            raise ValueError(f"split={self.split!r}: use one of {SPLITS}")
+            raise ConfigError(f"split={self.split!r}: use one of {SPLITS}")
         if self.cpu_decoder not in ("auto", "simplejpeg", "pillow"):
-            raise ValueError(f"cpu_decoder={self.cpu_decoder!r}: use auto, simplejpeg or pillow")
+            raise ConfigError(f"cpu_decoder={self.cpu_decoder!r}: use auto, simplejpeg or pillow")
         if self.on_error not in ON_ERROR:
-            raise ValueError(f"on_error={self.on_error!r}: use one of {ON_ERROR}")
+            raise ConfigError(f"on_error={self.on_error!r}: use one of {ON_ERROR}")
         if self.batch_size < 1 or self.image_size < 8:
-            raise ValueError(f"batch_size={self.batch_size}, image_size={self.image_size}: need >= 1 and >= 8")
+            raise ConfigError(f"batch_size={self.batch_size}, image_size={self.image_size}: need >= 1 and >= 8")
         if self.world_size is not None and not 0 <= (self.rank or 0) < self.world_size:
-            raise ValueError(f"rank={self.rank} with world_size={self.world_size}: need 0 <= rank < world_size")
-        if self.num_workers is not None and self.num_workers < 0:
-            raise ValueError(f"num_workers={self.num_workers}: need >= 0 (or None to measure)")
+            raise ConfigError(f"rank={self.rank} with world_size={self.world_size}: need 0 <= rank < world_size")
+        if self.num_workers is not None and self.num_workers != "probe" and (
+                not isinstance(self.num_workers, int) or self.num_workers < 0):
+            raise ConfigError(f"num_workers={self.num_workers!r}: use a count >= 0, None (cores per device less "
+                              f"one) or 'probe' (measured once and cached)")

@@ -23,10 +23,15 @@ DECODERS = ("auto", "simplejpeg", "pillow")
 try:
     import cv2
     import simplejpeg
-
-    cv2.setNumThreads(1)  # one loader worker = one core; OpenCV's own threads would oversubscribe
 except ImportError:  # the Pillow path does everything, slower
     cv2 = simplejpeg = None
+
+
+def one_thread(_worker_id: int = 0) -> None:
+    """DataLoader worker_init_fn: one loader worker = one core, so OpenCV's own thread pool would oversubscribe.
+    Set in the workers only; the user's process keeps its OpenCV settings."""
+    if cv2 is not None:
+        cv2.setNumThreads(1)
 
 
 def random_resized_crop_box(w: int, h: int, rng: np.random.Generator, min_scale: float = 0.08,

@@ -25,7 +25,7 @@ import torch
 
 from fastpipe.loaders.base import Loader
 from fastpipe.loaders.shards import ShardSet
-from fastpipe.loaders.workers import usable_cores
+from fastpipe.util import usable_cores
 
 INSTALL_HINT = ("the dali backend needs NVIDIA DALI: pip install 'fastpipe[dali]' (CUDA 12 torch) or "
                 "'fastpipe[dali-cu13]' (CUDA 13 torch), or use backend='nvjpeg' for GPU decoding without DALI")

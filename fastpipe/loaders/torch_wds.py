@@ -222,14 +222,16 @@ class TorchLoader(Loader):
         self.dataloader = DataLoader(
             self.dataset, batch_size=None, num_workers=w, pin_memory=self.cfg.pin_memory,
             persistent_workers=w > 0, prefetch_factor=self.cfg.prefetch_factor if w > 0 else None,
-            multiprocessing_context=_worker_context() if w > 0 else None)
+            multiprocessing_context=_worker_context() if w > 0 else None, worker_init_fn=cpu_ops.one_thread)
 
     def _pick_workers(self) -> int:
-        if self.cfg.num_workers is not None:
-            return self.cfg.num_workers
-        from fastpipe.loaders.workers import tuned_workers
+        from fastpipe.loaders.workers import heuristic_workers, tuned_workers
 
-        return tuned_workers(self.manifest, self.cfg, self.name)
+        if self.cfg.num_workers == "probe":
+            return tuned_workers(self.manifest, self.cfg, self.name)
+        if self.cfg.num_workers is None:
+            return heuristic_workers(self.cfg.world_size if self.device.type == "cuda" else 1)
+        return self.cfg.num_workers
 
     def describe(self) -> dict:
         return {**super().describe(), "num_workers": self.num_workers}

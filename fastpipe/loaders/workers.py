@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import os
 
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+from fastpipe.util import usable_cores
 
 
 def heuristic_workers(devices: int = 1) -> int:

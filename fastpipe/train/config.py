@@ -2,65 +2,93 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from fastpipe.errors import ConfigError
+from fastpipe.loaders import BACKEND_NAMES
+from fastpipe.options import opt, parse_workers
 
 AMP_MODES = ("fp16", "bf16", "off")
 OPTIMIZERS = ("sgd", "adamw")
+# What a resumed run may change: how long it runs and where, not what it trains.
+RESUMABLE_CHANGES = {"epochs", "stop_after", "workers", "resume", "out", "log_every", "device", "data"}
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    data: str  # a converter output folder (dataset.json inside)
-    model: str = "resnet18"
-    backend: str = "torch"
-    epochs: int = 10
-    batch_size: int = 64
-    lr: float | None = None  # None: 0.1 x effective batch / 256 for SGD, 1e-3 for AdamW (loop.resolve)
-    optimizer: str = "sgd"
-    momentum: float = 0.9
-    nesterov: bool = True
-    weight_decay: float = 5e-5
-    warmup_epochs: float = 1.0
-    label_smoothing: float = 0.1
-    image_size: int = 224
-    progressive: str | None = None  # "128:224": small images first, full size for the last epochs
-    amp: str | None = None  # None: fp16 (+ GradScaler) on CUDA, off on CPU (loop.resolve)
-    accum_steps: int = 1
-    channels_last: bool | None = None  # None: on for CUDA
-    checkpoint_activations: bool = False
-    compile: bool = False
-    device: str | None = None
-    workers: int | None = None
-    out: str | None = None  # run folder; None: runs/<timestamp>-<model>
-    resume: bool = False
-    stop_after: int | None = None  # leave (resumably) after this many epochs in this invocation: time-limited jobs
-    seed: int = 0
-    pretrained: str | None = None  # a local weights file (no downloads at run time)
-    balance: bool = False
-    class_weighted_loss: bool = False
-    sync_bn: bool = False
-    auto_batch: bool = False
-    max_nonfinite: int = 5  # consecutive non-finite losses before the run stops
-    log_every: int = 10  # steps between progress-bar updates (each one reads the loss: a host sync)
+    data: str = opt(None, "converter output folder (dataset.json inside)", positional=True)
+    model: str = opt("resnet18", "torchvision model name (resnet18/50, mobilenet_v3_large, efficientnet_b0, "
+                                 "convnext_tiny, vit_b_16, ...)")
+    backend: str = opt("torch", "loader backend", choices=BACKEND_NAMES)
+    epochs: int = opt(10, "epochs in the whole run")
+    batch_size: int = opt(64, "images per device and step (per micro-batch with --accum-steps)")
+    lr: float | None = opt(None, "learning rate (default: 0.1 x effective batch / 256 for SGD, 1e-3 for AdamW)")
+    optimizer: str = opt("sgd", "optimizer", choices=OPTIMIZERS)
+    momentum: float = opt(0.9, "SGD momentum")
+    nesterov: bool = opt(True, "Nesterov momentum (SGD)")
+    weight_decay: float = opt(5e-5, "weight decay (not on norms and biases)")
+    warmup_epochs: float = opt(1.0, "linear warm-up epochs before the cosine decay")
+    label_smoothing: float = opt(0.1, "label smoothing of the cross-entropy loss")
+    image_size: int = opt(224, "training image size (pixels, square)")
+    progressive: str | None = opt(None, "START:END, e.g. 128:224: small images first, full size at the end")
+    amp: str | None = opt(None, "mixed precision (default: fp16 + GradScaler on CUDA, off on a CPU)",
+                          choices=AMP_MODES)
+    accum_steps: int = opt(1, "gradient accumulation: optimizer step every N micro-batches, loss / N "
+                              "(BatchNorm still sees only the micro-batch)")
+    channels_last: bool | None = opt(None, "channels_last memory format (default: on CUDA)")
+    checkpoint_activations: bool = opt(False, "recompute the deep stages' activations in the backward pass")
+    compile: bool = opt(False, "torch.compile the model")
+    device: str | None = opt(None, "cuda, cuda:1, cpu (default: cuda when available)")
+    workers: int | str | None = opt(None, "loader workers: a number (0 = in this process), auto (cores per device "
+                                          "less one) or probe (measured once, cached)", parse=parse_workers)
+    out: str | None = opt(None, "run folder (default runs/<time>-<model>)")
+    resume: bool = opt(False, "continue the run in --out from its last checkpoint, with its saved settings")
+    stop_after: int | None = opt(None, "leave after N epochs of this invocation (resumable), for time-limited jobs")
+    seed: int = opt(0, "seed for the model, the data order and the augmentations")
+    pretrained: str | None = opt(None, "local weights file to start from (no downloads)")
+    balance: bool = opt(False, "class-balanced sampling")
+    class_weighted_loss: bool = opt(False, "weight the loss by the class weights")
+    sync_bn: bool = opt(False, "SyncBatchNorm across ranks")
+    auto_batch: bool = opt(False, "find the largest batch that fits before training (CUDA)")
+    max_nonfinite: int = opt(5, "consecutive non-finite losses before the run stops")
+    log_every: int = opt(10, "steps between progress updates (each reads the loss: a host sync)")
 
     def validate(self) -> None:
         if self.amp is not None and self.amp not in AMP_MODES:
-            raise ValueError(f"--amp {self.amp}: use one of {', '.join(AMP_MODES)}")
+            raise ConfigError(f"--amp {self.amp}: use one of {', '.join(AMP_MODES)}")
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"--optimizer {self.optimizer}: use one of {', '.join(OPTIMIZERS)}")
+            raise ConfigError(f"--optimizer {self.optimizer}: use one of {', '.join(OPTIMIZERS)}")
+        if self.backend not in BACKEND_NAMES:
+            raise ConfigError(f"--backend {self.backend}: use one of {', '.join(BACKEND_NAMES)}")
         if self.accum_steps < 1 or self.epochs < 1 or self.batch_size < 1:
-            raise ValueError("--accum-steps, --epochs and --batch-size must be at least 1")
+            raise ConfigError("--accum-steps, --epochs and --batch-size must be at least 1")
+        if self.resume and not self.out:
+            raise ConfigError("--resume needs --out RUN_FOLDER: the run to continue")
         if self.progressive:
             parse_progressive(self.progressive)
+
+
+def resumed_config(saved: dict, given: dict, run: str) -> TrainConfig:
+    """The settings of a resumed run: the saved ones, with only what a resume may change taken from `given` (the
+    flags the user typed). Anything else that differs is refused, naming each difference, instead of
+    half-loading a checkpoint for another model or rewriting the run's record."""
+    names = {f.name for f in fields(TrainConfig)}
+    base = {k: v for k, v in saved.items() if k in names}
+    differ = {k: (base.get(k), v) for k, v in given.items() if k not in RESUMABLE_CHANGES and base.get(k) != v}
+    if differ:
+        what = ", ".join(f"--{k.replace('_', '-')} {new} (the run has {old})" for k, (old, new) in differ.items())
+        raise ConfigError(f"{run} was trained with other settings: {what}. Resume with the run's own settings "
+                          f"(drop those flags), or start a new run with another --out")
+    return TrainConfig(**{**base, **given, "resume": True})
 
 
 def parse_progressive(text: str) -> tuple[int, int]:
     try:
         lo, hi = (int(x) for x in text.split(":"))
     except ValueError:
-        raise ValueError(f"--progressive {text!r}: use START:END image sizes, e.g. 128:224") from None
+        raise ConfigError(f"--progressive {text!r}: use START:END image sizes, e.g. 128:224") from None
     if not 32 <= lo <= hi:
-        raise ValueError(f"--progressive {text!r}: need 32 <= START <= END")
+        raise ConfigError(f"--progressive {text!r}: need 32 <= START <= END")
     return lo, hi
 
 

@@ -1,36 +1,25 @@
-"""`fastpipe train`: the AMP training loop. Short and explicit on purpose; every host sync is marked.
+"""The AMP training step and epoch. Short and explicit on purpose; every host sync is marked.
 
-One process per device; under `torchrun` it becomes DistributedDataParallel with the loaders' rank split.
+session.py builds the run around it (model, loaders, run folder, resume); this file is the loop itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
-import platform
 import time
-from dataclasses import asdict, dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from fastpipe import __version__
-from fastpipe.loaders import LoaderConfig, make_loader_from
-from fastpipe.manifest import load
-from fastpipe.train.config import TrainConfig, image_size_for_epoch
-from fastpipe.train.models import build_model
-from fastpipe.train.runs import Run, default_run_dir
-
-OOM_ADVICE = ("CUDA ran out of memory. Lower --batch-size (and keep the effective batch with --accum-steps), "
-              "use --amp fp16 or bf16, --checkpoint-activations, or a smaller --image-size; "
-              "`fastpipe memory --model {model} --image-size {size}` shows what fits; --auto-batch finds it.")
+from fastpipe.errors import FastpipeError
+from fastpipe.train.config import TrainConfig
 
 
-class TrainingStopped(RuntimeError):
+class TrainingStopped(FastpipeError, RuntimeError):
     """The run cannot continue (non-finite losses, out of memory); the message says what to change."""
 
 
@@ -43,31 +32,6 @@ class Dist:
     @property
     def main(self) -> bool:
         return self.rank == 0
-
-
-def setup_distributed(device: str | None) -> tuple[Dist, torch.device]:
-    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK: then NCCL on GPUs, gloo on CPU. Else a single process."""
-    if "RANK" not in os.environ or dist.is_initialized():
-        d = Dist(dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else Dist()
-        return d, torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    use_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    if use_cuda:
-        torch.cuda.set_device(local)
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    return Dist(dist.get_rank(), dist.get_world_size(), local), torch.device(f"cuda:{local}" if use_cuda else "cpu")
-
-
-def resolve(cfg: TrainConfig, device: torch.device) -> TrainConfig:
-    """Fill the defaults that depend on the device and the batch."""
-    cuda = device.type == "cuda"
-    eff = cfg.batch_size * cfg.accum_steps
-    # SGD: the linear scaling rule (0.1 per 256 images, Goyal et al.); AdamW: its usual 1e-3, which small
-    # data sets train well with (Adam's step size is less tied to the batch).
-    lr = cfg.lr if cfg.lr is not None else (0.1 * eff / 256 if cfg.optimizer == "sgd" else 1e-3)
-    return replace(cfg, device=str(device), lr=lr, amp=cfg.amp or ("fp16" if cuda else "off"),
-                   channels_last=cuda if cfg.channels_last is None else cfg.channels_last,
-                   out=cfg.out or str(default_run_dir(cfg.model)))
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -218,130 +182,3 @@ class Trainer:
         if state.get("rng_cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng_cuda"])
         return state["epoch"] + 1
-
-
-def versions() -> dict:
-    import PIL
-    import torchvision
-
-    return {"fastpipe": __version__, "torch": torch.__version__, "torchvision": torchvision.__version__,
-            "cuda": torch.version.cuda, "pillow": PIL.__version__, "python": platform.python_version()}
-
-
-def _loader_cfg(cfg: TrainConfig, split: str, size: int, batch: int) -> LoaderConfig:
-    return LoaderConfig(backend=cfg.backend, split=split, batch_size=batch, image_size=size, device=cfg.device,
-                        num_workers=cfg.workers, seed=cfg.seed, balance=cfg.balance and split == "train")
-
-
-def _build(cfg: TrainConfig, manifest, device: torch.device, d: Dist):
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, manifest.num_classes, cfg.image_size, cfg.pretrained,
-                        cfg.checkpoint_activations).to(device)
-    if cfg.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    if d.world > 1 and cfg.sync_bn:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if cfg.compile:
-        model = torch.compile(model)
-    if d.world > 1:
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[d.local_rank] if device.type == "cuda" else None)
-    return model
-
-
-def _auto_batch(cfg: TrainConfig, manifest, device: torch.device) -> TrainConfig:
-    if device.type != "cuda":
-        print("--auto-batch: only meaningful on a CUDA device; keeping --batch-size", cfg.batch_size)
-        return cfg
-    from fastpipe.train.memory import MemoryConfig, find_max_batch
-
-    found = find_max_batch(MemoryConfig(model=cfg.model, image_size=cfg.image_size, optimizer=cfg.optimizer,
-                                        amp=cfg.amp, num_classes=manifest.num_classes, device=str(device),
-                                        checkpoint_activations=cfg.checkpoint_activations,
-                                        channels_last=bool(cfg.channels_last)))
-    print(f"--auto-batch: the largest batch that fits is {found}")
-    return replace(cfg, batch_size=found)
-
-
-def train(cfg: TrainConfig) -> Path:
-    """Train cfg.model on cfg.data; returns the run folder."""
-    cfg.validate()
-    d, device = setup_distributed(cfg.device)
-    cfg = resolve(cfg, device)
-    manifest = load(cfg.data)
-    if cfg.auto_batch:
-        cfg = _auto_batch(cfg, manifest, device)
-    run = Run(Path(cfg.out))
-    model = _build(cfg, manifest, device, d)
-    val_size = image_size_for_epoch(cfg, cfg.epochs - 1)
-    val_loader = make_loader_from(manifest, _loader_cfg(cfg, "val", val_size, cfg.batch_size))
-    loaders: dict[int, object] = {}
-
-    def train_loader(size: int):
-        if size not in loaders:
-            loaders[size] = make_loader_from(manifest, _loader_cfg(cfg, "train", size, cfg.batch_size))
-        return loaders[size]
-
-    steps = len(train_loader(image_size_for_epoch(cfg, 0))) // cfg.accum_steps
-    opt = make_optimizer(model, cfg)
-    weights = torch.tensor(manifest.class_weights(), device=device) if cfg.class_weighted_loss else None
-    trainer = Trainer(cfg, model, opt, make_schedule(opt, cfg, steps),
-                      torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16"),
-                      nn.CrossEntropyLoss(weight=weights, label_smoothing=cfg.label_smoothing), device, d)
-    start = 0
-    if cfg.resume and (state := run.load()) is not None:
-        start = trainer.restore(state)
-    if d.main:
-        run.start({"train": asdict(cfg), "versions": versions(), "device": _device_info(device),
-                   "world_size": d.world, "data": {"root": str(manifest.root), "classes": list(manifest.classes),
-                                                   "mean": manifest.mean, "std": manifest.std},
-                   "loader": train_loader(image_size_for_epoch(cfg, 0)).describe()}, resume=cfg.resume)
-        run.truncate_metrics(start)
-    return _epochs(trainer, run, manifest, train_loader, val_loader, start, d)
-
-
-def _epochs(trainer: Trainer, run: Run, manifest, train_loader, val_loader, start: int, d: Dist) -> Path:
-    cfg, began, status = trainer.cfg, time.time(), "finished"
-    last = min(cfg.epochs, start + cfg.stop_after) if cfg.stop_after else cfg.epochs
-    try:
-        for epoch in range(start, last):
-            size = image_size_for_epoch(cfg, epoch)
-            loader = train_loader(size)
-            loader.set_epoch(epoch)
-            m = {"epoch": epoch, "image_size": size, **trainer.train_epoch(loader, epoch),
-                 **trainer.evaluate(val_loader, manifest.num_classes)}
-            if d.main:
-                run.log(m)
-                run.save(trainer.state(epoch))
-                print(f"epoch {epoch + 1}/{cfg.epochs}  size {size}  loss {m['train_loss']:.3f}  "
-                      f"val acc {m['val_acc']:.3f}  {m['img_per_s']:.0f} img/s  "
-                      f"data wait {100 * m['data_wait']:.0f}%"
-                      + (f"  peak {m['peak_mem_mb']:.0f} MB" if m["peak_mem_mb"] else ""))
-        status = "finished" if last == cfg.epochs else f"stopped after epoch {last} (--stop-after); --resume continues"
-    except torch.OutOfMemoryError as e:
-        status = "out of memory"
-        raise TrainingStopped(OOM_ADVICE.format(model=cfg.model, size=cfg.image_size) + f"\n({e})") from e
-    except TrainingStopped as e:
-        status = f"stopped: {e}"
-        raise
-    finally:
-        if d.main:
-            run.finish(_summary(run, cfg, status, time.time() - began), manifest.classes)
-    return run.path
-
-
-def _summary(run: Run, cfg: TrainConfig, status: str, seconds: float) -> dict:
-    ms = run.metrics()
-    best = max((m["val_acc"] for m in ms), default=None)
-    return {"status": status, "epochs_done": len(ms), "best_val_acc": best,
-            "final_val_acc": ms[-1]["val_acc"] if ms else None,
-            "img_per_s": sum(m["img_per_s"] for m in ms) / len(ms) if ms else None,
-            "data_wait_pct": 100 * sum(m["data_wait"] for m in ms) / len(ms) if ms else None,
-            "peak_mem_mb": max((m["peak_mem_mb"] or 0 for m in ms), default=None) or None,
-            "minutes": seconds / 60, "model": cfg.model, "backend": cfg.backend, "run": str(run.path)}
-
-
-def _device_info(device: torch.device) -> dict:
-    if device.type == "cuda":
-        p = torch.cuda.get_device_properties(device)
-        return {"type": "cuda", "name": p.name, "memory_gb": round(p.total_memory / 2**30, 1)}
-    return {"type": "cpu", "cores": os.cpu_count(), "name": platform.processor() or platform.machine()}

@@ -16,22 +16,30 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from torch import nn
 
+from fastpipe.options import opt, parse_gb
+
 MB = 2**20
 SAFETY = 0.92  # share of the device memory to plan for: the caching allocator fragments and CUDA needs some
 
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    model: str = "resnet18"
-    image_size: int = 224
-    batch_size: int = 64
-    optimizer: str = "sgd"  # sgd (momentum) | adamw
-    amp: str = "fp16"  # fp16 | bf16 | off
-    num_classes: int = 1000
-    device: str | None = None
-    gpu_memory: int | None = None  # bytes to plan for; None: this GPU's total
-    checkpoint_activations: bool = False
-    channels_last: bool = True
+    model: str = opt("resnet18", "torchvision model name")
+    image_size: int = opt(224, "image size (pixels, square)")
+    batch_size: int = opt(64, "batch size to account for")
+    optimizer: str = opt("sgd", "optimizer (SGD keeps one state copy, AdamW two)", choices=("sgd", "adamw"))
+    amp: str | None = opt(None, "mixed precision (default as `fastpipe train`: fp16 on CUDA, off on a CPU)",
+                          choices=("fp16", "bf16", "off"))
+    num_classes: int = opt(1000, "classes of the head (or --data)")
+    device: str | None = opt(None, "where to measure (default: cuda when available)")
+    gpu_memory: int | None = opt(None, "memory to plan for, e.g. 8GB (a bare 8 means 8 GB; default: this GPU's)",
+                                 parse=parse_gb)
+    checkpoint_activations: bool = opt(False, "recompute the deep stages' activations")
+    channels_last: bool = opt(True, "channels_last memory format")
+
+    def resolved(self) -> MemoryConfig:
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        return replace(self, device=device, amp=self.amp or ("fp16" if device.startswith("cuda") else "off"))
 
 
 @dataclass
@@ -138,7 +146,8 @@ def saved_tensor_bytes(cfg: MemoryConfig, batch: int) -> int:
     x = torch.randn(batch, 3, cfg.image_size, cfg.image_size)
     if cfg.channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
-    dtype = torch.bfloat16 if cfg.amp == "bf16" else None
+    # A CPU has no fp16 autocast worth measuring: bf16 keeps the same 2-byte activations fp16 would on a GPU.
+    dtype = torch.bfloat16 if cfg.amp in ("bf16", "fp16") else None
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
         model(x).sum().backward()
@@ -158,7 +167,8 @@ def _points(cfg: MemoryConfig, device: torch.device) -> tuple[float, float]:
 
 
 def analyse(cfg: MemoryConfig, techniques: bool = True) -> MemoryReport:
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cfg = cfg.resolved()
+    device = torch.device(cfg.device)
     model = _model(cfg, torch.device("cpu"))  # static sizes do not depend on the device
     static = static_bytes(model, cfg.optimizer)
     slope, intercept = _points(cfg, device)

@@ -7,26 +7,29 @@ from pathlib import Path
 import numpy as np
 
 
-def _plt():
-    import matplotlib
+def _figure(*size):
+    """A figure drawn without pyplot, so the caller's matplotlib backend and state stay untouched."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    fig = Figure(figsize=size)
+    FigureCanvasAgg(fig)
+    return fig
 
 
 def curves_png(metrics: list[dict], path: Path) -> None:
-    plt = _plt()
     ep = [m["epoch"] + 1 for m in metrics]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig = _figure(13, 3.6)
+    axes = fig.subplots(1, 3)
     axes[0].plot(ep, [m["train_loss"] for m in metrics], "o-", label="train")
-    axes[0].plot(ep, [m["val_loss"] for m in metrics], "o-", label="val")
+    val = [m for m in metrics if "val_loss" in m]
+    if val:
+        axes[0].plot([m["epoch"] + 1 for m in val], [m["val_loss"] for m in val], "o-", label="val")
+        axes[1].plot([m["epoch"] + 1 for m in val], [m["val_acc"] for m in val], "o-", color="tab:green")
     axes[0].set_title("loss")
     axes[0].legend()
-    axes[1].plot(ep, [m["val_acc"] for m in metrics], "o-", color="tab:green")
     axes[1].set_ylim(0, 1)
-    axes[1].set_title("validation accuracy")
+    axes[1].set_title("validation accuracy" if val else "validation accuracy (no val split)")
     axes[2].plot(ep, [m["img_per_s"] for m in metrics], "o-", color="tab:purple", label="images/s")
     ax2 = axes[2].twinx()
     ax2.bar(ep, [100 * m["data_wait"] for m in metrics], alpha=0.25, color="tab:red", label="data wait %")
@@ -36,14 +39,13 @@ def curves_png(metrics: list[dict], path: Path) -> None:
         a.set_xlabel("epoch")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def confusion_png(confusion: list[list[int]], classes, path: Path) -> None:
-    plt = _plt()
     cm = np.array(confusion)
     k = len(classes)
-    fig, ax = plt.subplots(figsize=(1.0 + 0.7 * k, 0.8 + 0.6 * k))
+    fig = _figure(1.0 + 0.7 * k, 0.8 + 0.6 * k)
+    ax = fig.add_subplot()
     rows = cm.sum(1, keepdims=True).clip(min=1)
     ax.imshow(cm / rows, cmap="Blues", vmin=0, vmax=1)
     for i in range(k):
@@ -57,4 +59,3 @@ def confusion_png(confusion: list[list[int]], classes, path: Path) -> None:
     ax.set_title("validation confusion (counts; colour = row share)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)

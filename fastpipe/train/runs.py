@@ -18,7 +18,12 @@ from pathlib import Path
 
 import torch
 
-from fastpipe.manifest import write_json_atomic
+from fastpipe.errors import DataError
+from fastpipe.util import atomic_write_text, write_json_atomic
+
+
+class RunError(DataError):
+    """A run folder whose files are missing, damaged or from another program."""
 
 
 class Run:
@@ -29,16 +34,43 @@ class Run:
     def checkpoint_path(self) -> Path:
         return self.path / "last.pt"
 
-    def start(self, config: dict, resume: bool) -> None:
+    def refuse_existing(self) -> None:
+        if (self.path / "metrics.jsonl").exists() or self.checkpoint_path.exists():
+            raise FileExistsError(f"{self.path} already holds a run: add --resume to continue it (its saved "
+                                  f"settings are used), or choose another --out")
+
+    def saved_settings(self) -> dict:
+        """The training settings the run was started with (config.json's "train")."""
+        path = self.path / "config.json"
+        if not path.exists():
+            raise RunError(f"no run to resume in {self.path} (no config.json): check --out, or start the run "
+                           f"without --resume")
+        train = _read_json(path).get("train")
+        if not isinstance(train, dict):
+            raise RunError(f"{path} is damaged or not a fastpipe run's config; start a new run with another --out")
+        return train
+
+    def start(self, config: dict) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
-        if not resume and (self.path / "metrics.jsonl").exists():
-            raise FileExistsError(f"{self.path} already holds a run: use --resume to continue it, "
-                                  f"or another --out")
         write_json_atomic(self.path / "config.json", config)
 
     def metrics(self) -> list[dict]:
+        """The logged epochs. A last line cut short by a kill is left out (that epoch is redone on resume); damage
+        anywhere else is an error naming the file and line."""
         f = self.path / "metrics.jsonl"
-        return [json.loads(line) for line in f.read_text().splitlines()] if f.exists() else []
+        if not f.exists():
+            return []
+        lines = f.read_text(errors="replace").splitlines()
+        out = []
+        for n, line in enumerate(lines, start=1):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                if n == len(lines):
+                    break
+                raise RunError(f"{f}, line {n}: not a JSON record; remove the damaged line or start a new run") \
+                    from None
+        return out
 
     def log(self, metrics: dict) -> None:
         with open(self.path / "metrics.jsonl", "a") as f:
@@ -50,14 +82,24 @@ class Run:
         os.replace(tmp, self.checkpoint_path)  # a kill mid-write leaves the previous checkpoint intact
 
     def load(self) -> dict | None:
+        """The checkpoint, loaded with weights_only=True: tensors and plain data only, so a crafted file cannot run
+        code. A truncated, damaged or foreign file is one clear error naming it."""
         if not self.checkpoint_path.exists():
             return None
-        return torch.load(self.checkpoint_path, map_location="cpu", weights_only=False)
+        try:
+            state = torch.load(self.checkpoint_path, map_location="cpu", weights_only=True)
+        except Exception as e:  # torch raises many types for damage (pickle, zip, EOF): all mean the same here
+            raise RunError(f"{self.checkpoint_path} cannot be loaded ({type(e).__name__}: {str(e)[:200]}): a "
+                           f"truncated, damaged or foreign checkpoint. Start a new run with another --out") from None
+        keys = {"epoch", "model", "optimizer", "scheduler", "scaler"}
+        if not isinstance(state, dict) or not keys <= set(state):
+            raise RunError(f"{self.checkpoint_path} is not a fastpipe checkpoint (needs {sorted(keys)})")
+        return state
 
     def truncate_metrics(self, epochs: int) -> None:
         """On resume: drop epochs logged after the checkpoint (a kill between log and save)."""
         kept = [m for m in self.metrics() if m["epoch"] < epochs]
-        (self.path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in kept))
+        atomic_write_text(self.path / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in kept))
 
     def finish(self, summary: dict, classes) -> None:
         write_json_atomic(self.path / "summary.json", summary)
@@ -66,19 +108,30 @@ class Run:
         metrics = self.metrics()
         if metrics:
             curves_png(metrics, self.path / "curves.png")
-            confusion_png(metrics[-1]["confusion"], classes, self.path / "confusion.png")
+            if "confusion" in metrics[-1]:
+                confusion_png(metrics[-1]["confusion"], classes, self.path / "confusion.png")
 
 
 def default_run_dir(model: str) -> Path:
     return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{model}"
 
 
+def _read_json(path: Path) -> dict:
+    """A JSON object from a run folder, or {} when missing or damaged (a listing must not stop on one bad run)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def list_runs(root: Path) -> list[dict]:
+    if not Path(root).is_dir():
+        raise RunError(f"{root}: no such folder of runs (runs are written to runs/<time>-<model> or --out)")
     rows = []
     for folder in sorted(p for p in Path(root).iterdir() if (p / "config.json").exists()):
-        cfg = json.loads((folder / "config.json").read_text())
-        summ = json.loads((folder / "summary.json").read_text()) if (folder / "summary.json").exists() else {}
-        t = cfg.get("train", {})
+        summ = _read_json(folder / "summary.json")
+        t = _read_json(folder / "config.json").get("train") or {}
         rows.append({"run": folder.name, "model": t.get("model"), "backend": t.get("backend"),
                      "amp": t.get("amp"), "batch": t.get("batch_size"), "epochs": summ.get("epochs_done"),
                      "img/s": summ.get("img_per_s"), "wait%": summ.get("data_wait_pct"),

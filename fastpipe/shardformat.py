@@ -1,0 +1,206 @@
+"""The shard format, in one place: WebDataset tars with a DALI index (`.idx`) beside each.
+
+Everything that reads or writes shards, indexes or labels goes through here (the converter, the loaders, previews,
+inspect, `fastpipe index`), so a damaged file is reported the same way everywhere: a `DataError` naming the file,
+the line or member, and the command that fixes it.
+
+- A sample is the tar members sharing a key (webdataset's rule: the key ends at the first dot of the file name).
+- `.idx` (DALI's `wds2idx` format v1.2): `v1.2 <samples>`, then per sample `<ext> <data offset> <size> <name>` for
+  each of its members, offsets in bytes (multiples of the 512-byte block).
+- Labels: `KEY.cls` ASCII decimal (webdataset's convention) and `KEY.lbl` int32 little-endian (for DALI's reader
+  without per-sample Python).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tarfile
+from pathlib import Path
+
+import numpy as np
+
+from fastpipe.errors import DataError
+from fastpipe.util import atomic_write_text
+
+BLOCK = 512
+IDX_VERSION = "v1.2"
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+LABEL_EXTS = ("cls", "label", "class", "index", "target")
+MAX_LABEL_BYTES = 64  # an ASCII class index; a larger label member is damage, not a label
+
+IndexEntry = tuple[str, dict[str, tuple[int, int]]]  # (key, {ext: (data offset, size)})
+
+
+def tar_header(name: str, size: int) -> bytes:
+    """A USTAR header with mtime 0 and no owner: byte-identical shards across runs, and cheaper to read than PAX."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = size, 0, 0o444
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    return info.tobuf(format=tarfile.USTAR_FORMAT)
+
+
+def member_chunk(name: str, data: bytes) -> bytes:
+    return tar_header(name, len(data)) + data + b"\0" * (-len(data) % BLOCK)
+
+
+def sample_bytes(parts: dict[str, bytes]) -> int:
+    """Bytes a sample takes in a tar: a header block per member and its data padded to whole blocks."""
+    return sum(BLOCK + -(-len(v) // BLOCK) * BLOCK for v in parts.values())
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """webdataset's rule: the key ends at the first dot of the file name (not of the folders)."""
+    slash = name.rfind("/") + 1
+    dot = name.find(".", slash)
+    return (name, "") if dot < 0 else (name[:dot], name[dot + 1 :])
+
+
+def index_line(fields: list[tuple[str, int, int, str]]) -> str:
+    return " ".join(f"{ext} {off} {size} {name}" for ext, off, size, name in fields)
+
+
+def entry_line(key: str, parts: dict[str, tuple[int, int]]) -> str:
+    """The `.idx` line of one parsed entry, members in file order (as wds2idx writes them)."""
+    return index_line([(ext, off, size, f"{key}.{ext}")
+                       for ext, (off, size) in sorted(parts.items(), key=lambda x: x[1][0])])
+
+
+def write_index(path: Path, lines: list[str]) -> None:
+    atomic_write_text(path, f"{IDX_VERSION} {len(lines)}\n" + "".join(line + "\n" for line in lines))
+
+
+def read_index(path: Path, shard_bytes: int | None = None) -> list[IndexEntry]:
+    """Parse and check a `.idx`: per sample (key, {ext: (offset, size)}). With `shard_bytes`, every member must lie
+    inside the shard. Any damage raises DataError naming the file and line."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="ascii").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise _idx_error(path, 1, f"unreadable ({type(e).__name__}: {e})") from e
+    head = lines[0].split() if lines else []
+    if len(head) != 2 or head[0] != IDX_VERSION or not head[1].isdigit() or int(head[1]) != len(lines) - 1:
+        raise _idx_error(path, 1, f"expected '{IDX_VERSION} <samples>' for {len(lines) - 1} sample lines, "
+                                  f"got {lines[0][:60]!r}" if lines else "empty file")
+    entries, seen = [], set()
+    for n, line in enumerate(lines[1:], start=2):
+        key, parts = _parse_line(path, n, line, shard_bytes)
+        if key in seen:
+            raise _idx_error(path, n, f"key {key!r} appears twice")
+        seen.add(key)
+        entries.append((key, parts))
+    return entries
+
+
+def _parse_line(path: Path, n: int, line: str, shard_bytes: int | None) -> IndexEntry:
+    f = line.split(" ")
+    if not f or len(f) % 4:
+        raise _idx_error(path, n, f"expected groups of '<ext> <offset> <size> <name>', got {line[:80]!r}")
+    parts, key = {}, None
+    for i in range(0, len(f), 4):
+        ext, off, size, name = f[i : i + 4]
+        if not (off.isdigit() and size.isdigit()):
+            raise _idx_error(path, n, f"offset/size of {name!r} are not numbers: {off!r} {size!r}")
+        off_i, size_i = int(off), int(size)
+        if off_i < BLOCK or off_i % BLOCK or (shard_bytes is not None and off_i + size_i > shard_bytes):
+            raise _idx_error(path, n, f"member {name!r} at byte {off_i} (+{size_i}) is not inside the shard "
+                                      f"({shard_bytes} bytes)")
+        k = split_name(name)[0]
+        if key is not None and k != key:
+            raise _idx_error(path, n, f"members of two samples on one line ({key!r}, {k!r})")
+        key, parts[ext] = k, (off_i, size_i)
+    return key, parts
+
+
+def _idx_error(path: Path, line: int, what: str) -> DataError:
+    return DataError(f"index {path}, line {line}: {what}. Rebuild it from its shard: "
+                     f"`fastpipe index --idx-only {Path(path).with_suffix('.tar')}`")
+
+
+def index_tar(tar_path: Path) -> list[IndexEntry]:
+    """The index of any tar (shards written by other tools), read with tarfile and checked member by member:
+    only regular files, inside the file, names without spaces (DALI's format), each (key, ext) once, a sample's
+    members next to each other. Raises DataError naming the shard and member."""
+    tar_path = Path(tar_path)
+    size = tar_path.stat().st_size
+    entries: list[IndexEntry] = []
+    done: set[str] = set()
+    try:
+        with tarfile.open(tar_path, mode="r:") as tf:
+            for m in tf:
+                _check_member(tar_path, m, size)
+                if m.isdir():
+                    continue
+                key, ext = split_name(m.name)
+                if not entries or entries[-1][0] != key:
+                    if key in done:
+                        raise DataError(f"{tar_path}: member {m.name!r} belongs to key {key!r}, whose other members "
+                                        f"came earlier (a sample's members must be adjacent, each key once)")
+                    done.add(key)
+                    entries.append((key, {}))
+                if ext in entries[-1][1]:
+                    raise DataError(f"{tar_path}: member {m.name!r} appears twice")
+                entries[-1][1][ext] = (m.offset_data, m.size)
+    except (tarfile.TarError, EOFError) as e:
+        raise DataError(f"{tar_path}: not a readable tar file ({type(e).__name__}: {e})") from e
+    return entries
+
+
+def _check_member(tar_path: Path, m: tarfile.TarInfo, file_size: int) -> None:
+    if m.isdir():
+        return
+    if not m.isfile():
+        kind = "a symlink" if m.issym() else "a hard link" if m.islnk() else "not a regular file"
+        raise DataError(f"{tar_path}: member {m.name!r} is {kind}; shards must hold regular files only "
+                        f"(re-create the tar without links, e.g. `tar --dereference`)")
+    if m.offset_data + m.size > file_size:
+        raise DataError(f"{tar_path}: member {m.name!r} claims {m.size} bytes at byte {m.offset_data}, beyond the "
+                        f"end of the file ({file_size} bytes): a truncated or damaged tar")
+    key, ext = split_name(m.name)
+    if not ext or not key or key.endswith("/") or any(c.isspace() for c in m.name):
+        raise DataError(f"{tar_path}: member name {m.name!r} is not KEY.EXT without spaces "
+                        f"(webdataset's naming, and DALI's index cannot hold spaces)")
+
+
+def read_member(fh, where: tuple[int, int]) -> bytes:
+    fh.seek(where[0])
+    data = fh.read(where[1])
+    if len(data) != where[1]:
+        raise DataError(f"{getattr(fh, 'name', 'shard')}: ends inside a member at byte {where[0] + len(data)} "
+                        f"(expected {where[1]} bytes at {where[0]}): the file is truncated")
+    return data
+
+
+def encode_label(label: int) -> dict[str, bytes]:
+    return {"cls": str(label).encode(), "lbl": np.int32(label).tobytes()}
+
+
+def decode_label(data: bytes, ext: str) -> int:
+    """A label member's class index; raises ValueError with what was found (callers add the shard and key)."""
+    if ext == "lbl":
+        if len(data) != 4:
+            raise ValueError(f".lbl holds {len(data)} bytes, expected 4 (int32)")
+        return int(np.frombuffer(data, "<i4")[0])
+    if len(data) > MAX_LABEL_BYTES:
+        raise ValueError(f".{ext} holds {len(data)} bytes, not a class index")
+    text = data.decode("ascii", errors="replace").strip()
+    if not (text.isdigit() or (text.startswith("-") and text[1:].isdigit())):
+        raise ValueError(f".{ext} is {text[:20]!r}, not an integer class index")
+    return int(text)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def index_path_for(tar: Path) -> Path:
+    tar = Path(tar)
+    return tar.with_suffix(".idx") if tar.suffix == ".tar" else tar.with_name(tar.name + ".idx")
+
+
+__all__ = ["BLOCK", "IDX_VERSION", "IMAGE_EXTS", "LABEL_EXTS", "decode_label", "encode_label", "index_tar",
+           "read_index", "read_member", "sha256_file", "split_name", "write_index"]

@@ -1,0 +1,226 @@
+"""`fastpipe train`: a training run around the loop (loop.py): device and ranks, model, loaders, the run folder,
+resuming, and a summary that says how the run ended (finished, stopped, interrupted, failed) whatever happens.
+
+One process per device; under `torchrun` it becomes DistributedDataParallel with the loaders' rank split.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fastpipe import __version__
+from fastpipe.errors import ConfigError
+from fastpipe.loaders import LoaderConfig, make_loader_from
+from fastpipe.manifest import load
+from fastpipe.train.config import RESUMABLE_CHANGES, TrainConfig, image_size_for_epoch, resumed_config
+from fastpipe.train.loop import Dist, Trainer, TrainingStopped, make_optimizer, make_schedule
+from fastpipe.train.models import build_model
+from fastpipe.train.runs import Run, default_run_dir
+
+OOM_ADVICE = ("CUDA ran out of memory. Lower --batch-size (and keep the effective batch with --accum-steps), "
+              "use --amp fp16 or bf16, --checkpoint-activations, or a smaller --image-size; "
+              "`fastpipe memory --model {model} --image-size {size}` shows what fits; --auto-batch finds it.")
+
+
+def setup_distributed(device: str | None) -> tuple[Dist, torch.device]:
+    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK: then NCCL on GPUs, gloo on CPU. Else a single process."""
+    if "RANK" not in os.environ or dist.is_initialized():
+        d = Dist(dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else Dist()
+        return d, torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    use_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    if use_cuda:
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    return Dist(dist.get_rank(), dist.get_world_size(), local), torch.device(f"cuda:{local}" if use_cuda else "cpu")
+
+
+def resolve(cfg: TrainConfig, device: torch.device) -> TrainConfig:
+    """Fill the defaults that depend on the device and the batch."""
+    cuda = device.type == "cuda"
+    eff = cfg.batch_size * cfg.accum_steps
+    # SGD: the linear scaling rule (0.1 per 256 images, Goyal et al.); AdamW: its usual 1e-3, which small
+    # data sets train well with (Adam's step size is less tied to the batch).
+    lr = cfg.lr if cfg.lr is not None else (0.1 * eff / 256 if cfg.optimizer == "sgd" else 1e-3)
+    return replace(cfg, device=str(device), lr=lr, amp=cfg.amp or ("fp16" if cuda else "off"),
+                   channels_last=cuda if cfg.channels_last is None else cfg.channels_last,
+                   out=cfg.out or str(default_run_dir(cfg.model)))
+
+
+def versions() -> dict:
+    import PIL
+    import torchvision
+
+    return {"fastpipe": __version__, "torch": torch.__version__, "torchvision": torchvision.__version__,
+            "cuda": torch.version.cuda, "pillow": PIL.__version__, "python": platform.python_version()}
+
+
+def _loader_cfg(cfg: TrainConfig, split: str, size: int, batch: int) -> LoaderConfig:
+    return LoaderConfig(backend=cfg.backend, split=split, batch_size=batch, image_size=size, device=cfg.device,
+                        num_workers=cfg.workers, seed=cfg.seed, balance=cfg.balance and split == "train")
+
+
+def _build(cfg: TrainConfig, manifest, device: torch.device, d: Dist):
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, manifest.num_classes, cfg.image_size, cfg.pretrained,
+                        cfg.checkpoint_activations).to(device)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if d.world > 1 and cfg.sync_bn:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if cfg.compile:
+        model = torch.compile(model)
+    if d.world > 1:
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[d.local_rank] if device.type == "cuda" else None)
+    return model
+
+
+def _auto_batch(cfg: TrainConfig, manifest, device: torch.device) -> TrainConfig:
+    if device.type != "cuda":
+        print("--auto-batch: only meaningful on a CUDA device; keeping --batch-size", cfg.batch_size)
+        return cfg
+    from fastpipe.train.memory import MemoryConfig, find_max_batch
+
+    found = find_max_batch(MemoryConfig(model=cfg.model, image_size=cfg.image_size, optimizer=cfg.optimizer,
+                                        amp=cfg.amp, num_classes=manifest.num_classes, device=str(device),
+                                        checkpoint_activations=cfg.checkpoint_activations,
+                                        channels_last=bool(cfg.channels_last)))
+    print(f"--auto-batch: the largest batch that fits is {found}")
+    return replace(cfg, batch_size=found)
+
+
+def train_from_cli(given: dict) -> Path:
+    """The CLI's settings → a run. With --resume, the run's saved settings are the base and the flags typed may
+    change only what a resume may change (config.RESUMABLE_CHANGES)."""
+    if not given.get("resume"):
+        return train(TrainConfig(**given))
+    if not given.get("out"):
+        raise ConfigError("--resume needs --out RUN_FOLDER: the run to continue")
+    return train(resumed_config(Run(Path(given["out"])).saved_settings(), given, given["out"]))
+
+
+def _check_resume(cfg: TrainConfig, run: Run) -> None:
+    saved = run.saved_settings()
+    differ = {k: (saved.get(k), v) for k, v in asdict(cfg).items()
+              if k not in RESUMABLE_CHANGES and k in saved and saved[k] != v}
+    if differ:
+        what = ", ".join(f"{k} {new!r} (the run has {old!r})" for k, (old, new) in differ.items())
+        raise ConfigError(f"{run.path} was trained with other settings: {what}. Resume with the run's own settings "
+                          f"(`fastpipe train DATA --out {run.path} --resume` takes them from its config.json), or "
+                          f"start a new run with another --out")
+
+
+def train(cfg: TrainConfig) -> Path:
+    """Train cfg.model on cfg.data; returns the run folder."""
+    cfg.validate()
+    manifest = load(cfg.data)
+    d, device = setup_distributed(cfg.device)
+    cfg = resolve(cfg, device)
+    run = Run(Path(cfg.out))
+    if cfg.resume:
+        _check_resume(cfg, run)
+    elif d.main:
+        run.refuse_existing()
+    if cfg.auto_batch:
+        cfg = _auto_batch(cfg, manifest, device)
+    model = _build(cfg, manifest, device, d)
+    has_val = bool(manifest.splits.get("val") and manifest.splits["val"].samples)
+    val_size = image_size_for_epoch(cfg, cfg.epochs - 1)
+    val_loader = make_loader_from(manifest, _loader_cfg(cfg, "val", val_size, cfg.batch_size)) if has_val else None
+    loaders: dict[int, object] = {}
+
+    def train_loader(size: int):
+        if size not in loaders:
+            loaders[size] = make_loader_from(manifest, _loader_cfg(cfg, "train", size, cfg.batch_size))
+        return loaders[size]
+
+    steps = len(train_loader(image_size_for_epoch(cfg, 0))) // cfg.accum_steps
+    opt = make_optimizer(model, cfg)
+    weights = torch.tensor(manifest.class_weights(), device=device) if cfg.class_weighted_loss else None
+    trainer = Trainer(cfg, model, opt, make_schedule(opt, cfg, steps),
+                      torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16"),
+                      nn.CrossEntropyLoss(weight=weights, label_smoothing=cfg.label_smoothing), device, d)
+    start = 0
+    if cfg.resume and (state := run.load()) is not None:
+        start = trainer.restore(state)
+    if d.main:
+        if not has_val:
+            print("no validation split in the data set: training without evaluation", file=sys.stderr)
+        run.start({"train": asdict(cfg), "versions": versions(), "device": _device_info(device),
+                   "world_size": d.world, "data": {"root": str(manifest.root), "classes": list(manifest.classes),
+                                                   "mean": manifest.mean, "std": manifest.std},
+                   "loader": train_loader(image_size_for_epoch(cfg, 0)).describe()})
+        run.truncate_metrics(start)
+    return _epochs(trainer, run, manifest, train_loader, val_loader, start, d)
+
+
+def _epoch(trainer: Trainer, manifest, loader, val_loader, epoch: int, size: int) -> dict:
+    m = {"epoch": epoch, "image_size": size, **trainer.train_epoch(loader, epoch)}
+    if val_loader is not None:
+        m.update(trainer.evaluate(val_loader, manifest.num_classes))
+    return m
+
+
+def _epochs(trainer: Trainer, run: Run, manifest, train_loader, val_loader, start: int, d: Dist) -> Path:
+    cfg, began, status = trainer.cfg, time.time(), "failed"
+    last = min(cfg.epochs, start + cfg.stop_after) if cfg.stop_after else cfg.epochs
+    try:
+        for epoch in range(start, last):
+            size = image_size_for_epoch(cfg, epoch)
+            loader = train_loader(size)
+            loader.set_epoch(epoch)
+            m = _epoch(trainer, manifest, loader, val_loader, epoch, size)
+            if d.main:
+                run.log(m)
+                run.save(trainer.state(epoch))
+                print(f"epoch {epoch + 1}/{cfg.epochs}  size {size}  loss {m['train_loss']:.3f}  "
+                      + (f"val acc {m['val_acc']:.3f}  " if "val_acc" in m else "")
+                      + f"{m['img_per_s']:.0f} img/s  data wait {100 * m['data_wait']:.0f}%"
+                      + (f"  peak {m['peak_mem_mb']:.0f} MB" if m["peak_mem_mb"] else ""))
+        status = "finished" if last == cfg.epochs else f"stopped after epoch {last} (--stop-after); --resume continues"
+    except KeyboardInterrupt as e:
+        status = "interrupted (SIGTERM)" if type(e).__name__ == "Terminated" else "interrupted"
+        if d.main:
+            print(f"{status}: to continue from the last finished epoch ({len(run.metrics())}): fastpipe train "
+                  f"{cfg.data} --out {run.path} --resume", file=sys.stderr)
+        raise
+    except torch.OutOfMemoryError as e:
+        status = "out of memory"
+        raise TrainingStopped(OOM_ADVICE.format(model=cfg.model, size=cfg.image_size) + f"\n({e})") from e
+    except TrainingStopped as e:
+        status = f"stopped: {e}"
+        raise
+    except Exception as e:
+        status = f"failed: {type(e).__name__}: {str(e)[:300]}"
+        raise
+    finally:
+        if d.main:
+            run.finish(_summary(run, cfg, status, time.time() - began), manifest.classes)
+    return run.path
+
+
+def _summary(run: Run, cfg: TrainConfig, status: str, seconds: float) -> dict:
+    ms = run.metrics()
+    accs = [m["val_acc"] for m in ms if "val_acc" in m]
+    return {"status": status, "epochs_done": len(ms), "best_val_acc": max(accs, default=None),
+            "final_val_acc": accs[-1] if accs else None,
+            "img_per_s": sum(m["img_per_s"] for m in ms) / len(ms) if ms else None,
+            "data_wait_pct": 100 * sum(m["data_wait"] for m in ms) / len(ms) if ms else None,
+            "peak_mem_mb": max((m["peak_mem_mb"] or 0 for m in ms), default=None) or None,
+            "minutes": seconds / 60, "model": cfg.model, "backend": cfg.backend, "run": str(run.path)}
+
+
+def _device_info(device: torch.device) -> dict:
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        return {"type": "cuda", "name": p.name, "memory_gb": round(p.total_memory / 2**30, 1)}
+    return {"type": "cpu", "cores": os.cpu_count(), "name": platform.processor() or platform.machine()}

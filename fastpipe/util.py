@@ -1,0 +1,142 @@
+"""Small utilities every layer uses: atomic writes, bounded reads, folder locks, local paths, core counts."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import socket
+import stat
+import sys
+import time
+from pathlib import Path
+
+from fastpipe.errors import BusyError, ConfigError, DataError
+
+URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (the affinity mask: what a container or `taskset` allows)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def local_path(text: str | os.PathLike, what: str) -> Path:
+    """A local filesystem path; a URL (s3://, gs://, http://, pipe:...) is refused with a clear message instead
+    of becoming a local folder named 's3:'."""
+    s = os.fspath(text)
+    if URL_RE.match(s) or s.startswith("pipe:"):
+        raise ConfigError(f"{what} {s!r} is a URL: fastpipe reads and writes local folders only in this version; "
+                          f"copy the data to a local disk (e.g. `aws s3 sync`, `gsutil -m rsync`) and pass that folder")
+    return Path(s)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write under a temporary name in the same folder, fsync, then rename: a reader sees the old file or the
+    whole new one, never half (a kill, a full disk)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def write_json_atomic(path: Path, data) -> None:
+    atomic_write_text(path, json.dumps(data, indent=2) + "\n")
+
+
+def write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
+    atomic_write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+
+
+class NotRegularFile(DataError):
+    """A FIFO, device, socket or folder where a file was expected."""
+
+
+class FileTooLarge(DataError):
+    """A file larger than the limit the caller set."""
+
+
+def read_regular(path: Path, limit: int) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes. FIFOs, devices and sockets (a link to /dev/zero, a
+    named pipe that would block forever) and larger files raise OSError/DataError instead of hanging or
+    exhausting memory."""
+    with open(path, "rb", opener=_nonblocking_opener) as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(f"{path}: not a regular file ({_kind(st.st_mode)})")
+        if st.st_size > limit:
+            raise FileTooLarge(f"{path}: {st.st_size} bytes, more than the limit of {limit}")
+        data = f.read(limit + 1)
+    if len(data) > limit:  # grew while reading
+        raise FileTooLarge(f"{path}: more than the limit of {limit} bytes")
+    return data
+
+
+def _nonblocking_opener(path, flags):
+    # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever.
+    return os.open(path, flags | getattr(os, "O_NONBLOCK", 0))
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+class FolderLock:
+    """An exclusive lock on an output folder (flock on FOLDER/.fastpipe.lock), held while a command writes there.
+
+    A second writer fails at once with who holds it (pid, host, command, since when); the lock is released by
+    the kernel when the holder exits, even by kill -9, so a stale file never blocks a rerun."""
+
+    NAME = ".fastpipe.lock"
+
+    def __init__(self, folder: Path, command: str):
+        self.path, self.command, self._fh = Path(folder) / self.NAME, command, None
+
+    def __enter__(self) -> FolderLock:
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(self.path, "a+")
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "another process"
+            fh.close()
+            raise BusyError(f"{self.path.parent} is being written by {holder}; wait for it to finish "
+                            f"(or stop it), then rerun") from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()} on {socket.gethostname()} (`{self.command}`, since "
+                 f"{time.strftime('%Y-%m-%d %H:%M:%S')})\n")
+        fh.flush()
+        self._fh = fh
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fh is not None:
+            with contextlib.suppress(OSError):
+                self._fh.truncate(0)
+            self._fh.close()  # closing releases the flock
+            self._fh = None
+
+
+def command_line() -> str:
+    return " ".join(["fastpipe", *sys.argv[1:]]) if sys.argv and sys.argv[0].endswith("fastpipe") \
+        else " ".join(sys.argv) or "python"
