@@ -16,15 +16,12 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 from fastpipe import __version__
-from fastpipe.errors import FastpipeError
+from fastpipe.errors import FastpipeError, Interrupted
+from fastpipe.util import local_path
 
 # OS errors that are the environment's, not a bug: reported in one line with the file they concern.
 ENV_ERRNOS = {errno.ENOSPC, errno.EACCES, errno.EROFS, errno.EDQUOT, errno.EPERM, errno.ENOENT, errno.EIO,
               errno.EMFILE, errno.ENAMETOOLONG, errno.EISDIR, errno.ENOTDIR}
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (Slurm, Kubernetes, a spot instance going away), handled like Ctrl-C: clean up and say so."""
 
 
 # -- flags from config dataclasses ------------------------------------------------------------------------
@@ -118,7 +115,7 @@ def _cmd_shard(a) -> int:
 def _cmd_merge(a) -> int:
     from fastpipe.convert.merge import merge_parts
 
-    manifest = merge_parts(Path(a.out))
+    manifest = merge_parts(local_path(a.out, "OUT"))
     print(f"merged {manifest.settings['parts']} parts: "
           + ", ".join(f"{n} {s.samples}" for n, s in manifest.splits.items()) + f" -> {a.out}/dataset.json")
     return 0
@@ -142,7 +139,7 @@ def _cmd_index(a) -> int:
 def _cmd_inspect(a) -> int:
     from fastpipe.convert.inspect import inspect
 
-    report = inspect(Path(a.out), verify=a.verify, repair=a.repair)
+    report = inspect(local_path(a.out, "data set"), verify=a.verify, repair=a.repair)
     print("\n".join(report.lines))
     return 0 if report.ok else 1
 
@@ -176,7 +173,7 @@ def _cmd_memory(a) -> int:
 def _cmd_runs(a) -> int:
     from fastpipe.train.runs import format_runs, list_runs
 
-    print(format_runs(list_runs(Path(a.root))))
+    print(format_runs(list_runs(local_path(a.root, "runs folder"))))
     return 0
 
 
@@ -241,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repair", action="store_true", help="with --verify's findings: leave undecodable samples out "
                    "of the .idx files (what DALI needs; the shards are not touched)")
     p.set_defaults(func=_cmd_inspect, interrupt_hint=again)
-    _configured(sub, "train", TrainConfig, _cmd_train, "see above",
+    _configured(sub, "train", TrainConfig, _cmd_train, "",
                 help="train a torchvision classifier on converted shards (AMP, DDP, run folder)",
                 description="Train on a `fastpipe shard` output. Under torchrun: DistributedDataParallel.")
     p = _configured(sub, "memory", MemoryConfig, _cmd_memory, again,
@@ -264,19 +261,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _on_sigterm(signum, frame):
-    raise Terminated()
+    raise Interrupted("SIGTERM")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    # Ctrl-C must reach us even when started from a script in the background (which starts Python with SIGINT
+    # ignored), so that every command ends through the same clean-up and message.
+    previous = signal.signal(signal.SIGTERM, _on_sigterm), signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return args.func(args)
     except KeyboardInterrupt as e:
-        what = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+        sigterm = getattr(e, "signal_name", "SIGINT") == "SIGTERM"
+        what = "terminated (SIGTERM)" if sigterm else "interrupted"
         print(f"fastpipe {args.command}: {what}" + (f"; {args.interrupt_hint}" if args.interrupt_hint else ""),
               file=sys.stderr)
-        return 143 if isinstance(e, Terminated) else 130
+        return 143 if sigterm else 130
     except FastpipeError as e:
         print(f"fastpipe {args.command}: error: {e}", file=sys.stderr)
         return 2
@@ -286,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fastpipe {args.command}: error: {e.strerror} ({e.filename or e})", file=sys.stderr)
         return 2
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])
 
 
 if __name__ == "__main__":

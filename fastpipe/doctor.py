@@ -149,13 +149,28 @@ def check_cpu() -> Check:
     from fastpipe.util import usable_cores
 
     return Check("OK", "CPU cores", f"{usable_cores()} usable; suggested loader workers {heuristic_workers()} "
-                 "(num_workers=None measures the best count per data set)")
+                 "(num_workers=\"probe\" measures the best count for a data set and caches it)")
+
+
+def check_shm() -> Check:
+    from fastpipe.loaders.workers import SHM, shm_free
+
+    free = shm_free()
+    if free is None:
+        return Check("OK", "shared memory", f"no {SHM} (loader workers use the platform's default)")
+    total = os.statvfs(SHM).f_blocks * os.statvfs(SHM).f_frsize
+    found = f"{SHM}: {free / 2**20:,.0f} MB free of {total / 2**20:,.0f} MB"
+    if free < 1024**3:
+        return Check("WARN", "shared memory", found, "loader workers pass batches through it (batch 64 at 224 px "
+                     "is 9.6 MB, several per worker): in Docker use --shm-size=2g or --ipc=host; fastpipe lowers "
+                     "its prefetch and workers to fit, at a cost in speed")
+    return Check("OK", "shared memory", found)
 
 
 def collect() -> list[Check]:
     gpus = nvidia_smi()
     return [check_python(), *check_torch(gpus), check_driver(gpus), *check_packages(), check_dali(),
-            *check_pillow(), check_cpu()]
+            *check_pillow(), check_cpu(), check_shm()]
 
 
 def run_doctor() -> int:

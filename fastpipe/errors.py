@@ -22,3 +22,11 @@ class DataError(FastpipeError, ValueError):
 
 class BusyError(FastpipeError, RuntimeError):
     """Another fastpipe process is writing into the same folder."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) or SIGTERM (Slurm, Kubernetes, a spot instance going away), raised where stopping is safe."""
+
+    def __init__(self, signal_name: str = "SIGINT"):
+        super().__init__(signal_name)
+        self.signal_name = signal_name

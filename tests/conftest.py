@@ -6,6 +6,8 @@ import io
 import os
 from pathlib import Path
 
+os.environ.setdefault("TQDM_DISABLE", "1")  # tqdm reads it once, at import: set before fastpipe imports it
+
 import numpy as np
 import pytest
 import torch
@@ -74,5 +76,4 @@ def converted(tmp_path_factory) -> Path:
 
 @pytest.fixture(autouse=True)
 def _quiet_env(monkeypatch):
-    monkeypatch.setenv("TQDM_DISABLE", "1")
     monkeypatch.setenv("PYTHONHASHSEED", os.environ.get("PYTHONHASHSEED", "0"))

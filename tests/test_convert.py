@@ -17,6 +17,7 @@ from conftest import COLORS, make_folder, photo
 
 from fastpipe.convert.driver import ConvertError, ShardConfig, shard
 from fastpipe.convert.inspect import inspect
+from fastpipe.errors import ConfigError
 from fastpipe.manifest import load
 from fastpipe.shardformat import read_index
 
@@ -270,7 +271,7 @@ def test_inspect_verify_finds_a_damaged_shard(tmp_path, folder):
     data[700:900] = b"\0" * 200
     first.write_bytes(bytes(data))
     report = inspect(out, verify=True)
-    assert not report.ok and any("checksum" in p for p in report.problems)
+    assert not report.ok and report.altered and any("checksum differs" in line for line in report.lines)
 
 
 def test_cli_help_and_clear_errors(tmp_path):
@@ -332,3 +333,107 @@ def test_index_refuses_text_labels_with_the_fix(tmp_path):
         sink.write({"__key__": "a", "jpg": photo(COLORS["red"]), "cls": b"red"})
     with pytest.raises(ValueError, match="not an integer class index"):
         index_shards(IndexConfig([tmp_path / "t.tar"]))
+
+
+# -- data safety ------------------------------------------------------------------------------------------
+def test_overwrite_removes_only_what_fastpipe_wrote(folder, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.tar").write_bytes(b"the user's own archive")
+    (out / "backup.idx").write_text("not ours")
+    shard(cfg(folder, out))
+    shard(cfg(folder, out, quality=70, overwrite=True))
+    assert (out / "notes.tar").read_bytes() == b"the user's own archive" and (out / "backup.idx").exists()
+
+
+def test_files_fastpipe_would_overwrite_but_did_not_write_stop_the_run(folder, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "train-000000.tar").write_bytes(b"someone else's shard")
+    with pytest.raises(ConfigError, match=r"did not write but would overwrite \(train-000000\.tar\)"):
+        shard(cfg(folder, out, overwrite=True))
+    assert (out / "train-000000.tar").read_bytes() == b"someone else's shard"
+
+
+def _foreign_set(folder: Path) -> list[Path]:
+    folder.mkdir()
+    with wds.ShardWriter(str(folder / "part-%03d.tar"), maxcount=5) as sink:
+        for i in range(10):
+            sink.write({"__key__": f"s{i:04d}", "jpg": photo(COLORS["red"], seed=i), "cls": str(i % 2).encode()})
+    return sorted(folder.glob("part-*.tar"))
+
+
+def test_shard_into_an_adopted_folder_needs_overwrite_and_keeps_the_users_tars(folder, tmp_path):
+    from fastpipe.convert.foreign import IndexConfig, index_shards
+
+    out = tmp_path / "adopted"
+    tars = _foreign_set(out)
+    index_shards(IndexConfig(tars))
+    before = {p.name: p.read_bytes() for p in tars}
+    with pytest.raises(ConvertError, match="adopted shards"):
+        shard(cfg(folder, out))
+    shard(cfg(folder, out, overwrite=True))
+    assert {p.name: p.read_bytes() for p in tars} == before  # the user's shards survive --overwrite
+    assert sum(sp.samples for sp in load(out).splits.values()) == 24
+
+
+def test_index_never_replaces_a_conversion_and_idx_only_repairs_in_place(folder, tmp_path):
+    from fastpipe.cli import main
+
+    out = tmp_path / "out"
+    shard(cfg(folder, out))
+    manifest_bytes = (out / "dataset.json").read_bytes()
+    victim = out / "val-000000.idx"
+    victim.unlink()
+    with pytest.raises(Exception, match=r"fastpipe index --idx-only .*val-000000\.tar") as e:
+        from fastpipe import make_loader
+
+        make_loader(out, "torch", split="val", batch_size=2, image_size=32, device="cpu", num_workers=0)
+    assert "dataset.json stays" in str(e.value)
+    assert main(["index", str(out / "val-000000.tar")]) == 2  # would replace the conversion's manifest: refused
+    assert main(["index", "--idx-only", str(out / "val-000000.tar")]) == 0
+    assert (out / "dataset.json").read_bytes() == manifest_bytes and victim.exists()
+    assert inspect(out, verify=True).ok
+
+
+def test_a_second_writer_is_refused_with_who_holds_the_folder(folder, tmp_path):
+    from fastpipe.util import FolderLock
+
+    out = tmp_path / "out"
+    with FolderLock(out, "fastpipe shard (test)"):
+        r = subprocess.run([sys.executable, "-m", "fastpipe", "shard", str(folder), str(out)], capture_output=True,
+                           text=True, timeout=120)
+    assert r.returncode == 2 and "is being written by pid" in r.stderr and "Traceback" not in r.stderr
+    assert not (out / "dataset.json").exists()
+    shard(cfg(folder, out))  # released: the next run goes ahead
+
+
+def test_a_run_stopped_while_writing_previews_is_finished_by_the_rerun(folder, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "previews").write_text("a file where the previews folder goes: drawing them fails")
+    with pytest.raises(OSError):
+        shard(cfg(folder, out))
+    assert not (out / "dataset.json").exists()  # not declared complete
+    (out / "previews").unlink()
+    again = shard(cfg(folder, out))
+    assert not again.up_to_date and again.converted_now == 0  # the shards were kept, only the rest is done
+    assert len(list((out / "previews").iterdir())) == 3 and load(out).outputs["previews"]
+
+
+def test_preview_names_never_collide_or_escape(tmp_path):
+    labels = ["a b", "a/b", "a_b", "猫", "犬", "..", "x" * 300, "CON"]
+    rows = ["path,label"]
+    for i, label in enumerate(labels):
+        for j in range(2):
+            name = f"img_{i}_{j}.jpg"
+            (tmp_path / name).write_bytes(photo(COLORS["red"], seed=10 * i + j))
+            rows.append(f'{name},"{label}"')
+    (tmp_path / "list.csv").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    out = tmp_path / "out"
+    shard(cfg(tmp_path / "list.csv", out, val_fraction=0))
+    files = load(out).outputs["previews"]
+    assert len(set(files.values())) == len(labels) and set(files) == set(labels)
+    for f in files.values():
+        p = (out / f).resolve()
+        assert p.parent == (out / "previews").resolve() and p.is_file() and len(p.name) < 100

@@ -340,3 +340,80 @@ def test_reuse_output_keeps_each_batch_valid_until_the_next(converted):
         assert torch.equal(xr, xf) and torch.equal(yr, yf)
         n += 1
     assert n == len(reused) > 2 * (2 + 2)
+
+
+# -- shared memory and DALI ------------------------------------------------------------------------------
+def test_worker_batches_are_sized_to_the_shared_memory():
+    from fastpipe.loaders.workers import fit_shared_memory
+
+    mb = 2**20
+    assert fit_shared_memory(2, 10 * mb, 4, 10_000 * mb) == (2, 4, "")  # plenty: as asked
+    w, p, note = fit_shared_memory(2, 10 * mb, 4, 64 * mb)  # Docker's default /dev/shm
+    assert (w, p) == (1, 2) and "--shm-size=" in note
+    w, p, note = fit_shared_memory(2, 10 * mb, 4, 20 * mb)
+    assert w == 0 and "in the training process" in note
+    assert fit_shared_memory(0, 10 * mb, 4, 1) == (0, 4, "")
+
+
+SHM_SCRIPT = """
+import warnings, sys
+from fastpipe import make_loader
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    loader = make_loader(sys.argv[1], "torch", batch_size=32, image_size=224, num_workers=2, device="cpu")
+n = 0
+for epoch in range(2):
+    loader.set_epoch(epoch)
+    n += sum(len(y) for _, y in loader)
+print("SAMPLES", n, loader.num_workers, loader.prefetch)
+print("WARN", " | ".join(str(w.message) for w in caught))
+"""
+
+
+def test_a_small_dev_shm_slows_the_loader_down_instead_of_failing_in_a_worker(tmp_path):
+    """A real 64 MB /dev/shm (Docker's default) in a private mount namespace: batch 32 at 224 px, 2 workers."""
+    if shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs unshare -m (root) to mount a small /dev/shm")
+    src = make_folder(tmp_path / "src", {"red": 110, "green": 110, "blue": 100}, size=(240, 180))
+    out = tmp_path / "out"
+    shard(ShardConfig(src, out, short_side=180, val_fraction=0, workers=0, max_shard_size=1024**2))
+    (tmp_path / "run.py").write_text(SHM_SCRIPT)
+    r = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=64m tmpfs /dev/shm && "
+                        f"{sys.executable} {tmp_path / 'run.py'} {out}"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "SAMPLES 640" in r.stdout and "--shm-size=" in r.stdout, r.stdout
+
+
+@pytest.mark.dali
+def test_dali_names_an_undecodable_sample_and_the_repair_makes_it_read(corrupted):
+    from fastpipe.convert.inspect import inspect
+    from fastpipe.errors import DataError
+
+    out, key = corrupted
+    loader = make_loader(out, "dali", **{**KW, "batch_size": 1})
+    with pytest.raises(DataError, match=rf"sample {key} is undecodable.*--verify --repair"):
+        list(loader)
+    report = inspect(out, verify=True, repair=True)
+    assert report.ok and report.repaired and (out / "repaired.jsonl").exists()
+    m = load(out)
+    assert m.splits["train"].samples == load(out).splits["train"].shards[0].samples + sum(
+        s.samples for s in m.splits["train"].shards[1:])
+    repaired = make_loader(out, "dali", **{**KW, "batch_size": 1})
+    assert sum(len(y) for _, y in repaired) == len(repaired)  # the whole epoch, no error
+    torch_loader = make_loader(out, "torch", num_workers=0, **{**KW, "batch_size": 1})
+    assert len(list(torch_loader)) == len(torch_loader) and torch_loader.stats.skipped == 0
+    assert inspect(out, verify=True).ok
+
+
+def test_repair_keeps_the_counts_consistent(corrupted, converted):
+    from fastpipe.convert.inspect import inspect
+
+    out, _key = corrupted
+    before = load(out)
+    assert not inspect(out, verify=True).ok
+    inspect(out, verify=True, repair=True)
+    after = load(out)
+    assert after.splits["train"].samples == before.splits["train"].samples - 1
+    assert sum(after.splits["train"].class_counts) == after.splits["train"].samples
+    assert after.settings["repaired"] == 1 and (out / "dataset.json").exists()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -216,3 +218,124 @@ def test_resume_drops_epochs_logged_after_the_last_checkpoint(tmp_path):
         run.log({"epoch": e})
     run.truncate_metrics(2)  # the checkpoint holds epochs 0-1
     assert [m["epoch"] for m in run.metrics()] == [0, 1]
+
+
+# -- how a run ends, and resuming it safely ----------------------------------------------------------------
+def _summary(run: Path) -> dict:
+    return json.loads((run / "summary.json").read_text())
+
+
+def test_a_crash_is_recorded_as_failed_not_finished(converted, tmp_path, monkeypatch):
+    def broken(self, loader, k):
+        raise RuntimeError("the validation disk went away")
+
+    monkeypatch.setattr(Trainer, "evaluate", broken)
+    with pytest.raises(RuntimeError):
+        train(cfg(converted, tmp_path / "crash", epochs=2))
+    assert _summary(tmp_path / "crash")["status"].startswith("failed: RuntimeError: the validation disk")
+
+
+@pytest.mark.parametrize("sig,status,code", [(signal.SIGINT, "interrupted", 130),
+                                             (signal.SIGTERM, "interrupted (SIGTERM)", 143)])
+def test_ctrl_c_and_sigterm_leave_a_summary_and_the_resume_command(converted, tmp_path, sig, status, code):
+    out = tmp_path / "r"
+    p = subprocess.Popen([sys.executable, "-m", "fastpipe", "train", str(converted), "--epochs", "50",
+                          "--batch-size", "8", "--image-size", "32", "--device", "cpu", "--workers", "1",
+                          "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (out / "metrics.jsonl").exists() and time.time() < deadline and p.poll() is None:
+        time.sleep(0.05)
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == code, err[-2000:]
+    assert _summary(out)["status"] == status
+    assert f"--out {out} --resume" in err and "Traceback" not in err
+    # ... and that command continues the run
+    r = subprocess.run([sys.executable, "-m", "fastpipe", "train", str(converted), "--out", str(out), "--resume",
+                        "--epochs", str(_summary(out)["epochs_done"] + 1)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert _summary(out)["status"] == "finished"
+
+
+def test_resume_uses_the_saved_settings_and_refuses_others(converted, tmp_path, capsys):
+    from fastpipe.cli import main
+
+    out = tmp_path / "r"
+    base = [str(converted), "--out", str(out), "--device", "cpu", "--workers", "0", "--image-size", "32"]
+    assert main(["train", *base, "--epochs", "2", "--stop-after", "1", "--batch-size", "8", "--lr", "0.01"]) == 0
+    config = (out / "config.json").read_text()
+    capsys.readouterr()
+    assert main(["train", str(converted), "--out", str(out), "--resume", "--model", "resnet50"]) == 2
+    err = capsys.readouterr().err
+    assert "--model resnet50 (the run has resnet18)" in err and len(err) < 600  # not a state_dict dump
+    assert main(["train", str(converted), "--out", str(out), "--resume", "--batch-size", "16"]) == 2
+    assert "--batch-size 16 (the run has 8)" in capsys.readouterr().err
+    assert (out / "config.json").read_text() == config  # a refused resume leaves the record as it was
+    assert main(["train", str(converted), "--resume"]) == 2
+    assert "--resume needs --out" in capsys.readouterr().err
+    assert main(["train", str(converted), "--out", str(tmp_path / "nothing"), "--resume"]) == 2
+    assert "no run to resume" in capsys.readouterr().err
+    # No flags but --resume and --out: the saved batch size, image size, lr and so on, to the end of the run.
+    assert main(["train", str(converted), "--out", str(out), "--resume"]) == 0
+    saved = json.loads((out / "config.json").read_text())["train"]
+    assert (saved["batch_size"], saved["image_size"], saved["lr"]) == (8, 32, 0.01)
+    assert _summary(out)["status"] == "finished" and _summary(out)["epochs_done"] == 2
+
+
+def test_a_crafted_or_damaged_checkpoint_is_refused_without_running_it(converted, tmp_path):
+    from fastpipe.train.runs import RunError
+
+    out = tmp_path / "r"
+    train(cfg(converted, out, epochs=2, stop_after=1))
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    torch.save({"epoch": 0, "model": Evil(), "optimizer": {}, "scheduler": {}, "scaler": {}}, out / "last.pt")
+    with pytest.raises(RunError, match=r"last\.pt cannot be loaded"):
+        train(cfg(converted, out, epochs=2, resume=True))
+    assert not marker.exists()  # the pickle's code never ran
+    (out / "last.pt").write_bytes(b"PK\x03\x04 truncated")
+    with pytest.raises(RunError, match="truncated, damaged or foreign"):
+        train(cfg(converted, out, epochs=2, resume=True))
+    torch.save({"weights": torch.zeros(3)}, out / "last.pt")
+    with pytest.raises(RunError, match="not a fastpipe checkpoint"):
+        train(cfg(converted, out, epochs=2, resume=True))
+
+
+def test_a_partial_last_metrics_line_is_dropped_a_damaged_one_is_named(converted, tmp_path):
+    from fastpipe.train.runs import Run, RunError
+
+    out = tmp_path / "r"
+    train(cfg(converted, out, epochs=2, stop_after=1))
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"epoch": 1, "train_lo')  # killed while writing
+    train(cfg(converted, out, epochs=2, resume=True))
+    assert [m["epoch"] for m in Run(out).metrics()] == [0, 1]
+    (out / "metrics.jsonl").write_text('{"epoch": 0}\nnot json\n{"epoch": 1}\n')
+    with pytest.raises(RunError, match=r"metrics\.jsonl, line 2"):
+        Run(out).metrics()
+
+
+def test_training_without_a_validation_split(tmp_path):
+    from conftest import make_folder
+
+    from fastpipe.convert.driver import ShardConfig, shard
+
+    src = make_folder(tmp_path / "src", {"red": 12, "green": 12}, size=(64, 48))
+    shard(ShardConfig(src, tmp_path / "data", short_side=48, val_fraction=0, workers=0))
+    run = train(cfg(tmp_path / "data", tmp_path / "r", epochs=1))
+    m = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert "val_acc" not in m and m["train_samples"] == 24
+    assert _summary(run)["status"] == "finished" and _summary(run)["best_val_acc"] is None
+    assert (run / "curves.png").exists()
+
+
+def test_an_image_size_above_the_stored_side_warns(converted):
+    from fastpipe import make_loader
+
+    with pytest.warns(UserWarning, match=r"image_size 96 is larger than the stored short side \(64 px\)"):
+        make_loader(converted, "torch", batch_size=4, image_size=96, device="cpu", num_workers=0)

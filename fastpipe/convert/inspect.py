@@ -22,12 +22,14 @@ class Report:
     lines: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     bad: list[dict] = field(default_factory=list)  # undecodable samples: shard, key, label, reason
-
+    altered: list[str] = field(default_factory=list)  # shards whose bytes differ from their checksum
     repaired: bool = False
 
     @property
     def ok(self) -> bool:
-        return not self.problems and (not self.bad or self.repaired)
+        bad_shards = {b["shard"] for b in self.bad}
+        unexplained = [a for a in self.altered if not (self.repaired and a in bad_shards)]
+        return not self.problems and not unexplained and (not self.bad or self.repaired)
 
 
 def _summary(m: Manifest) -> list[str]:
@@ -75,9 +77,13 @@ def _verify_shard(m: Manifest, split: str, shard, report: Report) -> int:
     if not tar.is_file():
         report.problems.append(f"{tar}: missing")
         return 0
-    if tar.stat().st_size != shard.bytes or sha256_file(tar) != shard.sha256:
-        report.problems.append(f"{tar}: checksum differs from dataset.json (altered or truncated)")
+    if tar.stat().st_size != shard.bytes:
+        report.problems.append(f"{tar}: {tar.stat().st_size} bytes, dataset.json says {shard.bytes} (truncated or "
+                               f"altered): copy it again")
         return 0
+    altered = sha256_file(tar) != shard.sha256
+    if altered:  # same size, other bytes: find out which samples still decode
+        report.altered.append(shard.path)
     try:
         samples = read_index(m.root / shard.index, shard.bytes)
     except (DataError, OSError) as e:
@@ -100,10 +106,12 @@ def inspect(out: Path, verify: bool = False, repair: bool = False) -> Report:
     if verify or repair:
         shards = [(name, s) for name, sp in m.splits.items() for s in sp.shards]
         checked = sum(_verify_shard(m, n, s, report) for n, s in tqdm(shards, desc="verifying", unit="shard"))
-        found = len(report.problems) + len(report.bad)
+        found = len(report.problems) + len(report.bad) + len(report.altered)
         report.lines.append(f"verified {checked} samples in {len(shards)} shards: "
                             + (f"{found} problems" if found else "all intact"))
         report.lines += [f"  PROBLEM {p}" for p in report.problems[:50]]
+        report.lines += [f"  PROBLEM {a}: checksum differs from dataset.json (altered since conversion)"
+                         for a in report.altered[:50]]
         report.lines += [f"  PROBLEM {b['shard']} sample {b['key']}: {b['reason']}" for b in report.bad[:50]]
         if repair and report.bad:
             report.lines += repair_indexes(m, report.bad)
@@ -130,7 +138,8 @@ def repair_indexes(m: Manifest, bad: list[dict]) -> list[str]:
                 if drop:
                     kept = [(k, p) for k, p in read_index(m.root / s.index, s.bytes) if k not in drop]
                     write_index(m.root / s.index, [entry_line(k, p) for k, p in kept])
-                    s = replace(s, samples=len(kept))
+                    # Every sample still listed was just decoded: the shard's new bytes are its checksum now.
+                    s = replace(s, samples=len(kept), sha256=sha256_file(m.root / s.path))
                 shards.append(s)
             mine = [b for b in bad if b["split"] == name]
             if any(b["label"] is None or not 0 <= b["label"] < len(counts) for b in mine):

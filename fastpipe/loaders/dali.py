@@ -23,6 +23,7 @@ from dataclasses import replace
 
 import torch
 
+from fastpipe.errors import DataError
 from fastpipe.loaders.base import Loader
 from fastpipe.loaders.shards import ShardSet
 from fastpipe.util import usable_cores
@@ -65,6 +66,30 @@ def _graph(jpegs, cfg, gpu: bool):
         mirror = 0
     return fn.crop_mirror_normalize(images, dtype=types.UINT8, output_layout="HWC", crop=(size, size),
                                     mirror=mirror)
+
+
+def _first_line(e: Exception) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if "failure" in ln or "rror" in ln]
+    return (lines[-1] if lines else str(e).splitlines()[0] if str(e) else type(e).__name__)[:200]
+
+
+def _first_undecodable(shards: ShardSet, seconds: float) -> str | None:
+    """'shard X, sample K' of the first sample the CPU decoder rejects, looking for at most `seconds`."""
+    import time
+
+    from fastpipe.loaders.cpu_ops import decode_val
+    from fastpipe.loaders.epoch import Piece
+
+    deadline = time.perf_counter() + seconds
+    for i, n in enumerate(shards.counts):
+        for s in shards.read(Piece(i, 0, n)):
+            try:
+                decode_val(s.image, 32)
+            except Exception:
+                return f"shard {s.shard}, sample {s.key} is undecodable"
+            if time.perf_counter() > deadline:
+                return None
+    return None
 
 
 class DaliLoader(Loader):
@@ -153,13 +178,21 @@ class DaliLoader(Loader):
                 yield images, labels, 0
                 n += 1
         except RuntimeError as e:
-            raise RuntimeError(f"DALI failed while reading {self.cfg.split} shards of {self.manifest.root} "
-                               f"({e.__class__.__name__}: {str(e)[:300]}). If a sample is undecodable, "
-                               f"`fastpipe inspect --verify` finds it; the torch and nvjpeg backends skip such "
-                               f"samples.") from e
+            raise self._explain(e) from e
         size = self.cfg.image_size
         for _ in range(self.batches - n):  # val: a rank with one batch less yields an empty one
             yield torch.empty((0, size, size, 3), dtype=torch.uint8), torch.empty(0, dtype=torch.int64), 0
+
+    def _explain(self, e: RuntimeError) -> DataError:
+        """DALI's decode errors name no sample and it cannot skip one: find the culprit (a bounded scan with the
+        torch backend's decoder) and give the one-time repair."""
+        found = _first_undecodable(self.shards, seconds=20.0)
+        where = f" ({found})" if found else ""
+        return DataError(f"DALI failed while reading the {self.cfg.split} shards of {self.manifest.root}{where}: "
+                         f"{_first_line(e)}. DALI cannot skip an undecodable sample: run `fastpipe inspect "
+                         f"{self.manifest.root} --verify --repair` once (it leaves such samples out of the .idx "
+                         f"files DALI reads; the shards stay as they are), or use --backend torch or nvjpeg, which "
+                         f"skip and count them")
 
     def _to_device(self, batch):
         images, labels, skipped = batch

@@ -209,19 +209,19 @@ class TorchLoader(Loader):
     def __init__(self, manifest: Manifest, cfg: LoaderConfig):
         super().__init__(manifest, cfg)
         self.shards = ShardSet(manifest, self.cfg.split)
-        self.num_workers = self._pick_workers()
+        self.num_workers, self.prefetch = self._fit_shared_memory(self._pick_workers())
         w = self.num_workers
         # Buffers are recycled when every batch is copied out before the caller sees it (see BufferPool), or when
         # the caller promises to be done with a batch when it asks for the next (reuse_output).
         self.hands_out_buffer = self.device.type == "cpu" and not self.cfg.normalize
         self.recycle = self.mode == "decode" and (not self.hands_out_buffer or self.cfg.reuse_output)
         self._held = -1  # the slot of the buffer the caller holds (reuse_output)
-        self.buffers = BufferPool(w, self.cfg.prefetch_factor + 2 if self.recycle else 0, self.cfg.batch_size,
+        self.buffers = BufferPool(w, self.prefetch + 2 if self.recycle else 0, self.cfg.batch_size,
                                   self.cfg.image_size)
         self.dataset = SampleStream(self.shards, self.cfg, manifest.class_weights(), self.mode, self.buffers)
         self.dataloader = DataLoader(
             self.dataset, batch_size=None, num_workers=w, pin_memory=self.cfg.pin_memory,
-            persistent_workers=w > 0, prefetch_factor=self.cfg.prefetch_factor if w > 0 else None,
+            persistent_workers=w > 0, prefetch_factor=self.prefetch if w > 0 else None,
             multiprocessing_context=_worker_context() if w > 0 else None, worker_init_fn=cpu_ops.one_thread)
 
     def _pick_workers(self) -> int:
@@ -233,8 +233,21 @@ class TorchLoader(Loader):
             return heuristic_workers(self.cfg.world_size if self.device.type == "cuda" else 1)
         return self.cfg.num_workers
 
+    def _fit_shared_memory(self, workers: int) -> tuple[int, int]:
+        from fastpipe.loaders.workers import fit_shared_memory, shm_free
+
+        if self.mode == "decode":
+            batch_bytes = self.cfg.batch_size * self.cfg.image_size**2 * 3
+        else:  # encoded bytes: the data set's mean stored sample
+            split = self.manifest.split(self.cfg.split)
+            batch_bytes = self.cfg.batch_size * sum(s.bytes for s in split.shards) // max(split.samples, 1)
+        workers, prefetch, note = fit_shared_memory(workers, batch_bytes, self.cfg.prefetch_factor, shm_free())
+        if note:
+            warnings.warn(note, stacklevel=3)
+        return workers, prefetch
+
     def describe(self) -> dict:
-        return {**super().describe(), "num_workers": self.num_workers}
+        return {**super().describe(), "num_workers": self.num_workers, "prefetch_factor": self.prefetch}
 
     def _host_batches(self):
         self.dataset.epoch[0] = self.epoch

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 from fastpipe.util import usable_cores
@@ -73,3 +74,43 @@ def tuned_workers(manifest, cfg, backend: str, seconds: float = 2.0) -> int:
     log.warning("num_workers=%d chosen by a probe (%s img/s); cached in %s", chosen,
                 ", ".join(f"{w}: {r:.0f}" for w, r in rates.items()), path)
     return chosen
+
+
+SHM = "/dev/shm"
+SHM_USABLE = 0.75  # leave room for other processes' and PyTorch's own shared memory
+
+
+def shm_free(path: str = SHM) -> int | None:
+    """Free bytes of the shared-memory filesystem worker batches travel through (None: no such mount)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def fit_shared_memory(workers: int, batch_bytes: int, prefetch: int, free: int | None) -> tuple[int, int, str]:
+    """(workers, prefetch factor, note) whose batches fit in shared memory, as close to the asked ones as possible.
+
+    Each worker holds its queued batches plus the one it fills and the one the trainer holds: prefetch + 2 buffers
+    of batch_bytes. Docker's default /dev/shm is 64 MB: batch 64 at 224 px (9.6 MB) with 2 workers and prefetch 4
+    needs 115 MB and would fail inside a worker with "unable to allocate shared memory". So the prefetch factor
+    goes down first, then the worker count; with no room for even one worker, decoding moves into the training
+    process (no shared memory at all). The note says what was lowered and how to lift it ("" when nothing was)."""
+    if not workers or free is None:
+        return workers, prefetch, ""
+    usable = free * SHM_USABLE
+    for w in range(workers, 0, -1):
+        for p in range(prefetch, 0, -1):
+            if w * (p + 2) * batch_bytes <= usable:
+                if (w, p) == (workers, prefetch):
+                    return w, p, ""
+                return w, p, _shm_note(free, workers, prefetch, batch_bytes, f"{w} workers, prefetch {p}")
+    return 0, prefetch, _shm_note(free, workers, prefetch, batch_bytes, "decoding in the training process")
+
+
+def _shm_note(free: int, workers: int, prefetch: int, batch_bytes: int, now: str) -> str:
+    suggest = max(1, math.ceil(workers * (prefetch + 2) * batch_bytes / SHM_USABLE / 2**30))
+    return (f"{SHM} has {free / 2**20:.0f} MB free, too little for {workers} workers x {prefetch + 2} batches of "
+            f"{batch_bytes / 2**20:.1f} MB: running with {now}, which is slower. Give the container more shared "
+            f"memory: docker run --shm-size={suggest}g (or --ipc=host)")

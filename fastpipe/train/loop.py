@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from fastpipe.errors import FastpipeError
 from fastpipe.train.config import TrainConfig
+from fastpipe.train.stop import StopRequest
 
 
 class TrainingStopped(FastpipeError, RuntimeError):
@@ -71,6 +72,7 @@ class Trainer:
     criterion: nn.Module
     device: torch.device
     dist: Dist
+    stop: StopRequest = field(default_factory=StopRequest)  # SIGINT/SIGTERM: stop between steps
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=amp_dtype(self.cfg.amp), enabled=self.cfg.amp != "off")
@@ -111,6 +113,7 @@ class Trainer:
             loss_sum += self.step(x, y, i, accum, streak)
             n += len(y)
             bar.update(1)
+            self._stop_point(i)
             if (i + 1) % self.cfg.log_every == 0 or i + 1 == steps:
                 self._check(streak, epoch, i)  # host sync: reads the loss and the non-finite streak
                 elapsed = time.perf_counter() - start
@@ -135,6 +138,18 @@ class Trainer:
                 f"Lower --lr (now {self.cfg.lr:g}), use --amp bf16 or fp16 (its scaler skips bad steps) "
                 f"instead of {self.cfg.amp}, and check the data with `fastpipe inspect --verify`.")
 
+    def _stop_point(self, i: int) -> None:
+        """Stop here if a signal asked for it. With several ranks, all must agree or the others would hang in the
+        next collective: the flag is all-reduced every log_every steps (a sync the progress update makes anyway)."""
+        if self.dist.world == 1:
+            self.stop.check()
+        elif (i + 1) % self.cfg.log_every == 0:
+            flag = torch.tensor([1.0 if self.stop.signal_name else 0.0], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item():
+                self.stop.signal_name = self.stop.signal_name or "SIGTERM"
+                self.stop.check()
+
     def _reduce(self, t: torch.Tensor) -> list[float]:
         """Sum across ranks (the loss and counts); wait and seconds are averaged."""
         if self.dist.world > 1:
@@ -148,7 +163,8 @@ class Trainer:
         self.model.eval()
         confusion = torch.zeros(k * k, dtype=torch.int64, device=self.device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for x, y in loader:
+        for i, (x, y) in enumerate(loader):
+            self._stop_point(i)
             if len(y) == 0:
                 continue
             with self.autocast():

@@ -160,7 +160,8 @@ def train(cfg: TrainConfig) -> Path:
                                                    "mean": manifest.mean, "std": manifest.std},
                    "loader": train_loader(image_size_for_epoch(cfg, 0)).describe()})
         run.truncate_metrics(start)
-    return _epochs(trainer, run, manifest, train_loader, val_loader, start, d)
+    with trainer.stop:  # SIGINT/SIGTERM from here on: the current step finishes, then the run stops cleanly
+        return _epochs(trainer, run, manifest, train_loader, val_loader, start, d)
 
 
 def _epoch(trainer: Trainer, manifest, loader, val_loader, epoch: int, size: int) -> dict:
@@ -188,7 +189,7 @@ def _epochs(trainer: Trainer, run: Run, manifest, train_loader, val_loader, star
                       + (f"  peak {m['peak_mem_mb']:.0f} MB" if m["peak_mem_mb"] else ""))
         status = "finished" if last == cfg.epochs else f"stopped after epoch {last} (--stop-after); --resume continues"
     except KeyboardInterrupt as e:
-        status = "interrupted (SIGTERM)" if type(e).__name__ == "Terminated" else "interrupted"
+        status = "interrupted (SIGTERM)" if getattr(e, "signal_name", "") == "SIGTERM" else "interrupted"
         if d.main:
             print(f"{status}: to continue from the last finished epoch ({len(run.metrics())}): fastpipe train "
                   f"{cfg.data} --out {run.path} --resume", file=sys.stderr)

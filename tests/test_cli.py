@@ -1,0 +1,111 @@
+"""The command line as users type it: flags generated from the configs, URLs refused, sizes read as meant,
+errors in one line, Ctrl-C and SIGTERM ending with what to do next."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import make_folder
+
+from fastpipe.cli import main
+
+
+def fp(*args, cwd=None, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fastpipe", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout)
+
+
+@pytest.mark.parametrize("args", [["shard", "{src}", "s3://bucket/x"], ["shard", "gs://b/raw", "{tmp}/out"],
+                                  ["train", "s3://bucket/shards"], ["bench", "https://host/shards"],
+                                  ["inspect", "az://c/shards"], ["index", "pipe:curl x.tar"]])
+def test_urls_are_refused_with_a_clear_message(tmp_path, folder, args, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main([a.format(src=folder, tmp=tmp_path) for a in args]) == 2
+    err = capsys.readouterr().err
+    assert "is a URL" in err and "copy the data to a local disk" in err, err
+    assert not any(p.name.endswith(":") for p in tmp_path.iterdir())  # no local folder named 's3:'
+
+
+def test_make_loader_refuses_a_url():
+    from fastpipe import make_loader
+    from fastpipe.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="is a URL"):
+        make_loader("s3://bucket/shards")
+
+
+def test_gpu_memory_as_a_bare_number_means_gigabytes(capsys):
+    assert main(["memory", "--model", "resnet18", "--image-size", "32", "--device", "cpu", "--gpu-memory", "8",
+                 "--no-techniques"]) == 0
+    assert "against 8.0 GB: fits" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["memory", "--gpu-memory", "8 parsecs"])
+    assert e.value.code == 2 and "is not a size" in capsys.readouterr().err
+
+
+def test_shard_size_without_a_unit_is_refused(tmp_path, folder, capsys):
+    with pytest.raises(SystemExit):
+        main(["shard", str(folder), str(tmp_path / "o"), "--max-shard-size", "256"])
+    assert "give the unit" in capsys.readouterr().err
+
+
+def test_index_in_the_readme_form(tmp_path, capsys):
+    import webdataset as wds
+    from conftest import COLORS, photo
+
+    for split, n in (("train", 8), ("val", 4)):
+        with wds.ShardWriter(str(tmp_path / f"{split}-%06d.tar"), maxcount=4) as sink:
+            for i in range(n):
+                sink.write({"__key__": f"{split}{i:03d}", "jpg": photo(COLORS["red"], seed=i),
+                            "cls": str(i % 2).encode()})
+    trains, vals = sorted(tmp_path.glob("train-*.tar")), sorted(tmp_path.glob("val-*.tar"))
+    assert main(["index", *map(str, trains), "--val", *map(str, vals)]) == 0
+    from fastpipe.manifest import load
+
+    m = load(tmp_path)
+    assert m.splits["train"].samples == 8 and m.splits["val"].samples == 4
+    # Without --val, shards named val-* form the validation split, and the summary says so.
+    assert main(["index", *map(str, trains), *map(str, vals), "--overwrite"]) == 0
+    assert "named like validation shards" in capsys.readouterr().out
+    assert load(tmp_path).splits["val"].samples == 4
+
+
+def test_flags_keep_their_names_and_choices(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--no-nesterov", "--channels-last", "--no-channels-last", "--accum-steps", "--stop-after",
+                 "--class-weighted-loss", "--workers"):
+        assert flag in text
+    assert "(default: 224)" in text
+    with pytest.raises(SystemExit) as e:
+        main(["train", "x", "--backend", "ffvc"])  # a typo fails at once, before a model is built
+    assert e.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_a_bug_keeps_its_traceback_a_user_error_does_not(tmp_path):
+    r = fp("inspect", tmp_path / "nothing")
+    assert r.returncode == 2 and "fastpipe shard" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("sig,code,word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143,
+                                                                                 "terminated (SIGTERM)")])
+def test_shard_interrupted_says_how_to_continue(tmp_path, sig, code, word):
+    src = make_folder(tmp_path / "src", {"red": 40, "green": 40}, size=(900, 700))
+    out = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, "-m", "fastpipe", "shard", str(src), str(out), "--workers", "0",
+                          "--max-shard-size", "64KB"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not list(out.glob("train-*.tar")) and time.time() < deadline and p.poll() is None:
+        time.sleep(0.02)
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == code, err[-2000:]
+    assert f"fastpipe shard: {word}; rerun the same command to continue" in err and "Traceback" not in err
+    assert not list(Path(out).glob("*.tmp"))

@@ -1,0 +1,131 @@
+"""Discovery of the files to convert: hostile trees and lists end as items or recorded rejections, never a hang,
+a crash or silent loss."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+from conftest import COLORS, make_folder, photo
+
+from fastpipe.convert.driver import ShardConfig, shard
+from fastpipe.convert.sources import class_order, discover
+from fastpipe.manifest import load
+
+
+def cfg(src, out, **kw) -> ShardConfig:
+    return ShardConfig(Path(src), Path(out), **{"short_side": 32, "workers": 0, "val_fraction": 0, **kw})
+
+
+def reasons(out: Path) -> dict[str, str]:
+    return {json.loads(x)["path"]: json.loads(x)["reason"] for x in (out / "rejected.jsonl").read_text().splitlines()}
+
+
+def test_symlink_loops_are_never_followed(tmp_path):
+    src = make_folder(tmp_path / "src", {"red": 3, "green": 3})
+    os.symlink(src / "red", src / "red" / "again")  # a loop
+    os.symlink(src, src / "green" / "root")  # a loop back to SRC itself
+    os.symlink(src / "green", src / "green" / "g1")
+    os.symlink(src / "green", src / "red" / "g2")
+    summary = shard(cfg(src, tmp_path / "out"))
+    assert summary.written == {"train": 6, "val": 0}
+    assert load(tmp_path / "out").splits["train"].class_counts == (3, 3)  # no class emptied
+    got = reasons(tmp_path / "out")
+    assert set(got.values()) == {"symlink-loop"} and "red/again" in got and "green/root" in got
+
+
+def test_fifo_devices_and_sockets_are_rejected_not_read(tmp_path):
+    src = make_folder(tmp_path / "src", {"red": 3, "green": 3})
+    os.mkfifo(src / "red" / "pipe.jpg")  # reading it would block forever
+    os.symlink("/dev/zero", src / "green" / "zero.jpg")  # reading it would never end
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (shard(cfg(src, tmp_path / "out")), done.set()), daemon=True)
+    t.start()
+    t.join(60)
+    assert done.is_set(), "the conversion hung on a FIFO or a device"
+    assert reasons(tmp_path / "out") == {"red/pipe.jpg": "not-a-file", "green/zero.jpg": "not-a-file"}
+
+
+def test_oversized_files_are_bounded(tmp_path):
+    src = make_folder(tmp_path / "src", {"red": 3, "green": 3})
+    (src / "red" / "big.jpg").write_bytes(photo(COLORS["red"], (200, 200)) + b"\0" * 300_000)
+    shard(cfg(src, tmp_path / "out", max_file_size=200_000))
+    assert reasons(tmp_path / "out") == {"red/big.jpg": "too-large"}
+
+
+def test_nothing_found_is_dropped_silently(tmp_path):
+    src = make_folder(tmp_path / "src", {"red": 3, "green": 3})
+    make_folder(src / "__init__", {"blue": 2})  # a class folder that happens to start with '__'
+    (src / "loose.jpg").write_bytes(photo(COLORS["red"], seed=5))  # not in a class folder
+    (src / "__MACOSX").mkdir()
+    (src / "__MACOSX" / "._x.jpg").write_bytes(b"junk")  # system clutter: ignored, and counted
+    (src / "red" / ".DS_Store").write_bytes(b"junk")
+    bad = os.fsencode(src / "green") + b"/caf\xe9.jpg"  # a Latin-1 name: not valid UTF-8
+    with open(bad, "wb") as f:
+        f.write(photo(COLORS["green"], seed=9))
+    summary = shard(cfg(src, tmp_path / "out"))
+    m = load(tmp_path / "out")
+    assert m.classes == ("__init__", "green", "red") and summary.written["train"] == 8
+    got = reasons(tmp_path / "out")
+    assert got == {"loose.jpg": "no-class", "green/caf\\xe9.jpg": "bad-name"}
+    assert summary.ignored == 2 and "2 hidden/system files ignored" in summary.lines()[0]
+    assert summary.discovered == 8 + 2
+
+
+def test_a_folder_beside_train_and_val_is_recorded(tmp_path):
+    make_folder(tmp_path / "src" / "train", {"red": 3, "blue": 3})
+    make_folder(tmp_path / "src" / "val", {"red": 1, "blue": 1}, seed=3)
+    make_folder(tmp_path / "src" / "test", {"red": 2}, seed=4)
+    summary = shard(cfg(tmp_path / "src", tmp_path / "out"))
+    assert summary.written == {"train": 6, "val": 2}
+    assert reasons(tmp_path / "out") == {"test/red/img_000.jpg": "other-split", "test/red/img_001.jpg": "other-split"}
+
+
+def test_out_inside_src_is_not_input(tmp_path):
+    src = make_folder(tmp_path / "src", {"red": 3, "green": 3})
+    out = src / "shards"
+    shard(cfg(src, out))
+    assert shard(cfg(src, out)).up_to_date  # a rerun sees the same input, not its own output
+    shard(cfg(src, out, quality=70, overwrite=True))
+    assert load(out).classes == ("green", "red")  # no phantom 'shards' class
+
+
+def test_integer_labels_keep_numeric_order(tmp_path):
+    rows = ["path,label"]
+    for label in range(12):
+        name = f"img_{label}.jpg"
+        (tmp_path / name).write_bytes(photo(COLORS["red"], seed=label))
+        rows.append(f"{name},{label}")
+    (tmp_path / "list.csv").write_text("\n".join(rows) + "\n")
+    shard(cfg(tmp_path / "list.csv", tmp_path / "out"))
+    m = load(tmp_path / "out")
+    assert m.classes == tuple(str(i) for i in range(12))  # '2' is class 2, not class 4 ('10' < '2' as text)
+    assert class_order(["b", "a", "10"]) == ("10", "a", "b")  # mixed labels: text order, as ImageFolder
+
+
+@pytest.mark.parametrize("header", ["filename,class_id", "image;target", "file_name\tlabel_name", "a,b"])
+def test_csv_headers_are_recognised(tmp_path, header):
+    sep = ";" if ";" in header else "\t" if "\t" in header else ","
+    (tmp_path / "x.jpg").write_bytes(photo(COLORS["red"]))
+    (tmp_path / "y.jpg").write_bytes(photo(COLORS["blue"]))
+    (tmp_path / "list.csv").write_text(f"{header}\nx.jpg{sep}red\ny.jpg{sep}blue\n")
+    source = discover(tmp_path / "list.csv")
+    assert len(source.items) == 2 and not source.rejections and source.classes == ("blue", "red")
+    assert any("header row skipped" in n for n in source.notes)
+
+
+def test_a_first_row_naming_a_missing_file_is_a_rejection_not_a_header(tmp_path):
+    (tmp_path / "x.jpg").write_bytes(photo(COLORS["red"]))
+    (tmp_path / "list.csv").write_text("imgs/gone.jpg,red\nx.jpg,red\n")
+    source = discover(tmp_path / "list.csv")
+    assert [r.reason for r in source.rejections] == ["missing"] and len(source.items) == 1
+
+
+def test_one_class_and_no_val_are_said(tmp_path):
+    src = make_folder(tmp_path / "src", {"red": 4})
+    summary = shard(cfg(src, tmp_path / "out"))
+    text = "\n".join(summary.lines())
+    assert "only one class" in text and "no validation samples" in text
