@@ -59,7 +59,7 @@ def make_shards(args) -> Path:
 def bound(out: Path, size: int) -> dict[str, float]:
     """Single process, no loader: decode + random-resized-crop + flip → uint8, per decoder."""
     shards = ShardSet(load(out), "train")
-    datas = [s.image for i, n in enumerate(shards.counts) for s in shards.read(Piece(i, 0, n))][:1500]
+    datas = [s.image for i, n in enumerate(shards.counts) for s in shards.read_piece(Piece(i, 0, n))][:1500]
     rates = {}
     for decoder in ("pillow", "simplejpeg"):
         rng = np.random.default_rng(0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import shutil
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from conftest import make_folder
 
 from fastpipe import make_loader
 from fastpipe.convert.driver import ShardConfig, shard
-from fastpipe.loaders.epoch import batches_per_epoch, train_segment, val_batches
+from fastpipe.loaders.epoch import TrainOrder, batches_per_epoch, step_slice, val_batches, worker_batches
 from fastpipe.loaders.shards import ShardError
 from fastpipe.manifest import load
 from fastpipe.shardformat import read_index
@@ -100,17 +101,26 @@ def test_missing_dali_says_how_to_install(converted, monkeypatch):
 
 
 # -- the epoch rule --------------------------------------------------------------------------------
-@pytest.mark.parametrize("counts,world,workers,batch", [
-    ([7, 7, 3], 2, 2, 2), ([100], 4, 3, 5), ([1, 1, 1, 1, 1, 1, 1], 3, 1, 2), ([13, 2, 9, 20], 3, 4, 3)])
-def test_train_segments_are_exact_and_disjoint(counts, world, workers, batch):
-    per_rank = batches_per_epoch("train", sum(counts), batch, world)
+@pytest.mark.parametrize("counts,block", [([7, 7, 3], 4), ([100], 1000), ([1] * 7, 2), ([13, 2, 9, 20], 10)])
+def test_the_epoch_sequence_is_a_permutation_fixed_by_seed_and_epoch(counts, block):
+    order = TrainOrder(counts, seed=3, block=block)
+    a = order.sequence(5)
+    assert sorted(a.tolist()) == list(range(sum(counts)))
+    assert np.array_equal(a, TrainOrder(counts, seed=3, block=block).sequence(5))
+    assert not np.array_equal(a, order.sequence(6)) or sum(counts) < 3
+
+
+@pytest.mark.parametrize("total,world,workers,batch", [(17, 2, 2, 2), (100, 4, 3, 5), (7, 3, 1, 2), (44, 3, 4, 3)])
+def test_train_steps_are_exact_and_disjoint(total, world, workers, batch):
+    """Every (rank, worker) slot reads exactly its batches; no position is read twice; the remainder is short."""
+    per_rank = batches_per_epoch("train", total, batch, world)
     taken = []
     for r, w in itertools.product(range(world), range(workers)):
-        pieces = train_segment(counts, 0, 3, r, world, w, workers, batch)
-        n = sum(p.count for p in pieces)
-        assert n == len(range(w, per_rank, workers)) * batch
-        taken += [(p.shard, p.start + i) for p in pieces for i in range(p.count)]
-    assert len(taken) == len(set(taken)) == world * per_rank * batch
+        mine = [step_slice(0, t, r, world, batch) for t in range(w, per_rank, workers)]
+        assert len(mine) == worker_batches(per_rank, w, workers)
+        taken += [p for sl in mine for p in range(sl.start, sl.stop)]
+    assert len(taken) == len(set(taken)) == world * per_rank * batch and max(taken) < total
+    assert total - len(taken) < world * batch
 
 
 @pytest.mark.parametrize("total,world,batch", [(7, 2, 3), (10, 4, 3), (9, 2, 4), (5, 3, 1), (64, 1, 64)])
@@ -178,10 +188,10 @@ def test_balance_gives_near_uniform_classes(tmp_path, backend):
     assert share.min() > 0.22 and share.max() < 0.45, share  # unbalanced: 0.79 / 0.16 / 0.05
 
 
-def _corrupt_one_sample(out: Path) -> str:
+def _corrupt_one_sample(out: Path, split: str = "train") -> str:
     """Overwrite one stored JPEG after its start marker with garbage, keeping the shard's size."""
     m = load(out)
-    s = m.splits["train"].shards[0]
+    s = m.splits[split].shards[0]
     key, parts = read_index(out / s.index)[1]
     off, size = parts["jpg"]
     data = bytearray((out / s.path).read_bytes())
@@ -198,20 +208,55 @@ def corrupted(converted, tmp_path) -> tuple[Path, str]:
 
 
 @pytest.mark.parametrize("backend", ["torch", "nvjpeg"])
-def test_corrupt_sample_is_skipped_and_counted(corrupted, backend):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_corrupt_sample_is_skipped_and_counted(corrupted, backend, workers):
     out, key = corrupted
-    # batch size 1: every sample, the bad one too, is used this epoch
-    loader = make_loader(out, backend, num_workers=0, **{**KW, "batch_size": 1})
+    # batch 1 of 67 train samples: every sample, the bad one too, is used this epoch
+    loader = make_loader(out, backend, num_workers=workers, **{**KW, "batch_size": 1, "split": "val"})
+    loader = make_loader(out, backend, num_workers=workers, **{**KW, "batch_size": 7})
+    loader.set_epoch(0)
+    with pytest.warns(UserWarning, match=f"skipping sample {key} in shard train-000000.tar"):
+        batches = [b for e in range(3) for b in _epoch(loader, e)]
+    # train: the bad sample's place is filled with a copy of a good one, so every batch keeps its shape
+    assert all(len(y) == 7 for _, y in batches) and loader.stats.skipped <= 1
+    assert sum(_epoch_skips(loader, e) for e in range(3)) >= 1
+
+
+def _epoch(loader, e):
+    loader.set_epoch(e)
+    return list(loader)
+
+
+def _epoch_skips(loader, e):
+    import warnings
+
+    loader.set_epoch(e)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        list(loader)
+    return loader.stats.skipped
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_corrupt_sample_raises_with_its_key_not_a_worker_traceback(corrupted, workers):
+    from fastpipe.errors import DataError
+
+    out, key = corrupted
+    loader = make_loader(out, "torch", num_workers=workers, on_error="raise", **{**KW, "batch_size": 1})
+    with pytest.raises(DataError, match=rf"sample {key} in shard train-000000.tar") as e:
+        list(loader)
+    assert "Traceback" not in str(e.value)
+
+
+@pytest.mark.parametrize("backend", ["torch", "nvjpeg"])
+def test_a_val_sample_that_fails_is_left_out_not_counted_twice(converted, tmp_path, backend):
+    out = tmp_path / "bad"
+    shutil.copytree(converted, out)
+    key = _corrupt_one_sample(out, "val")
+    loader = make_loader(out, backend, split="val", num_workers=2, **KW)
     with pytest.warns(UserWarning, match=f"skipping sample {key}"):
-        batches = list(loader)
-    assert len(batches) == len(loader) and all(len(y) == 1 for _, y in batches)
-    assert loader.stats.skipped >= 1
-
-
-def test_corrupt_sample_raises_with_its_key(corrupted):
-    out, key = corrupted
-    with pytest.raises(Exception, match=key):
-        list(make_loader(out, "torch", num_workers=0, on_error="raise", **{**KW, "batch_size": 1}))
+        seen = sum(len(y) for _, y in loader)
+    assert seen == load(out).splits["val"].samples - 1 and loader.stats.skipped == 1
 
 
 def test_missing_or_truncated_shard_is_named(converted, tmp_path):
@@ -254,15 +299,17 @@ def test_two_ranks_for_real_with_torchrun(tmp_path):
 
 
 def test_an_epoch_never_repeats_a_sample_even_with_a_large_shuffle_buffer(converted):
-    """The shuffle buffer (1000) is larger than each worker's segment: samples must still come once each."""
+    """The shuffle block (5000) is larger than the data set: samples must still come once each."""
     from fastpipe.loaders.config import LoaderConfig
+    from fastpipe.loaders.prepare import Raw
     from fastpipe.loaders.shards import ShardSet
-    from fastpipe.loaders.torch_wds import SampleStream
+    from fastpipe.loaders.stream import SampleStream, train_order
 
     m = load(converted)
-    cfg = LoaderConfig(batch_size=8, image_size=32, rank=0, world_size=1, shuffle_buffer=1000)
-    stream = SampleStream(ShardSet(m, "train"), cfg, m.class_weights(), mode="raw")
-    seen = [bytes(img) for images, _, _ in stream for img in images]
+    cfg = LoaderConfig(batch_size=8, image_size=32, shuffle_buffer=5000).resolved()
+    shards = ShardSet(m, "train")
+    stream = SampleStream(shards, cfg, Raw(cfg), train_order(shards, cfg, m))
+    seen = [bytes(img) for batch in stream for img in batch.data]
     assert len(seen) == len(set(seen)) == (m.splits["train"].samples // 8) * 8
 
 
@@ -417,3 +464,75 @@ def test_repair_keeps_the_counts_consistent(corrupted, converted):
     assert after.splits["train"].samples == before.splits["train"].samples - 1
     assert sum(after.splits["train"].class_counts) == after.splits["train"].samples
     assert after.settings["repaired"] == 1 and (out / "dataset.json").exists()
+
+
+# -- resumable state ---------------------------------------------------------------------------------------
+def _keys(loader, stop=None):
+    out = []
+    for i, (_x, _y, k) in enumerate(loader):
+        out += [str(s) for s in k]
+        if stop is not None and i + 1 == stop:
+            break
+    return out
+
+
+def test_state_dict_resumes_exactly_the_rest_of_the_epoch(converted):
+    kw = {**KW, "batch_size": 4, "seed": 1, "with_keys": True}
+    whole = make_loader(converted, "torch", num_workers=2, **kw)
+    whole.set_epoch(3)
+    everything = _keys(whole)
+    part = make_loader(converted, "torch", num_workers=2, **kw)
+    part.set_epoch(3)
+    first = _keys(part, stop=5)
+    state = json.loads(json.dumps(part.state_dict()))  # JSON-able
+    assert state["epoch"] == 3 and state["position"] == 20
+    rest_loader = make_loader(converted, "torch", num_workers=3, **kw)  # another worker count
+    rest_loader.load_state_dict(state)
+    assert rest_loader.batches_left == len(whole) - 5
+    rest = _keys(rest_loader)
+    assert first + rest == everything  # same order, none twice, none missing
+    assert rest_loader.state_dict()["epoch"] == 4 and rest_loader.state_dict()["position"] == 0
+
+
+def test_keys_name_the_source_file(converted):
+    loader = make_loader(converted, "torch", split="val", num_workers=0, with_keys=True, **KW)
+    _x, y, keys = next(iter(loader))
+    assert len(keys) == len(y)
+    k = keys[0]
+    assert k.shard.startswith("val-") and k.source.endswith(".jpg") and str(k).startswith(f"{k.shard}/{k.key}")
+    assert k.source.split("/")[0] == load(converted).classes[int(y[0])]  # the source's class folder
+
+
+def test_a_state_from_other_data_or_settings_is_refused(converted, folder, tmp_path):
+    from fastpipe.errors import ConfigError
+
+    other = tmp_path / "other"
+    shard(ShardConfig(folder, other, short_side=48, workers=0))
+    state = make_loader(other, "torch", num_workers=0, **KW).state_dict()
+    with pytest.raises(ConfigError, match=r"another data set or settings .*data"):
+        make_loader(converted, "torch", num_workers=0, **KW).load_state_dict(state)
+    mine = make_loader(converted, "torch", num_workers=0, **KW).state_dict()
+    with pytest.raises(ConfigError, match="seed: the state has 0, this loader 5"):
+        make_loader(converted, "torch", num_workers=0, seed=5, **KW).load_state_dict(mine)
+
+
+def test_elastic_resume_two_ranks_to_one_with_torchrun(tmp_path):
+    """2 ranks x 2 workers read part of an epoch and stop; 1 rank x 3 workers resumes from the saved state: every
+    sample of the epoch's consumed part comes once, none twice, and the rest is read."""
+    src = make_folder(tmp_path / "src", {"red": 23, "green": 17, "blue": 9}, size=(64, 48))
+    out = tmp_path / "out"
+    shard(ShardConfig(src, out, short_side=48, val_fraction=0.1, workers=0, max_shard_size=96 * 1024))
+    script, phase = Path(__file__).with_name("elastic_check.py"), tmp_path / "phase"
+    phase.mkdir()
+    torchrun = Path(sys.executable).with_name("torchrun")
+    r = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", "29541", str(script), str(out),
+                        str(phase), "stop", "2", "3"], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    r = subprocess.run([sys.executable, str(script), str(out), str(phase), "resume", "3"], capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    first = [k for rank in (0, 1) for k in json.loads((phase / f"stop-{rank}.json").read_text())]
+    rest = json.loads((phase / "resume-0.json").read_text())
+    total = load(out).splits["train"].samples
+    assert len(first) == 2 * 3 * 4 and len(set(first + rest)) == len(first + rest)  # none twice
+    assert total - len(first + rest) < 4  # all but the last step's remainder

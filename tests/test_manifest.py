@@ -93,6 +93,6 @@ def test_labels_beyond_the_class_list_are_found_by_verify_and_stop_the_loader(co
     report = inspect(copy_of, verify=True)
     assert not report.ok and any("outside the 2 classes" in b["reason"] for b in report.bad)
     loader = make_loader(copy_of, "torch", batch_size=4, image_size=32, device="cpu", num_workers=0)
-    with pytest.raises(ShardError, match=r"label 2 is outside the 2 classes"):
+    with pytest.raises(DataError, match=r"label 2 is outside the 2 classes"):
         list(loader)
     assert m.num_classes == 2

@@ -12,7 +12,7 @@ from fastpipe.manifest import Manifest, load
 
 # name → "module:class"; imported on demand so that DALI is only imported when asked for.
 BACKENDS = {
-    "torch": "fastpipe.loaders.torch_wds:TorchLoader",
+    "torch": "fastpipe.loaders.cpu:TorchLoader",
     "dali": "fastpipe.loaders.dali:DaliLoader",
     "nvjpeg": "fastpipe.loaders.nvjpeg:NvjpegLoader",
     "synthetic": "fastpipe.loaders.synthetic:SyntheticLoader",

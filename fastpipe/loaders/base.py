@@ -1,9 +1,10 @@
 """The loader contract, and the one device step every backend shares.
 
-Contract: `len(loader)` batches per epoch on every rank (epoch.py), `set_epoch(e)`, and iteration yielding
-`(images, labels)` on the configured device: images NCHW in channels_last memory format, float normalised
-with the data set's own mean/std (or uint8 when normalize=False); labels int64. `loader.stats` describes the
-last epoch.
+Contract: `len(loader)` batches per epoch on every rank (epoch.py), `set_epoch(e)`, `state_dict()` /
+`load_state_dict()` to stop and resume anywhere in an epoch, and iteration yielding `(images, labels)` (plus
+`keys` with with_keys=True) on the configured device: images NCHW in channels_last memory format, float normalised
+with the data set's own mean/std (or uint8 when normalize=False); labels int64. `loader.stats` describes the last
+epoch.
 
 Host batches travel as uint8 NHWC (4x less traffic than float32), pinned, copied non-blocking on a side CUDA
 stream one batch ahead, and turned into normalised floats on the device (timm's PrefetchLoader idea).
@@ -11,13 +12,17 @@ stream one batch ahead, and turned into normalised floats on the device (timm's 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
+from fastpipe.errors import ConfigError, DataError
+from fastpipe.loaders.batch import HostBatch, SampleKey
 from fastpipe.loaders.config import LoaderConfig
 from fastpipe.loaders.epoch import batches_per_epoch
 from fastpipe.manifest import Manifest
@@ -28,9 +33,10 @@ class LoaderStats:
     epoch: int = 0
     batches: int = 0
     samples: int = 0
-    skipped: int = 0  # samples that failed to decode and were left out (on_error="skip")
+    skipped: int = 0  # samples that failed to decode (replaced in train, left out in val)
     wait_s: float = 0.0  # time the consumer spent blocked waiting for the next batch
     seconds: float = 0.0  # wall time of the epoch's iteration
+    skipped_keys: list[str] = field(default_factory=list)  # the first few, with the reason
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -66,30 +72,47 @@ def _warn_upscaling(manifest: Manifest, cfg: LoaderConfig) -> None:
     if stored and cfg.image_size > stored:
         warnings.warn(f"image_size {cfg.image_size} is larger than the stored short side ({stored} px): every "
                       f"image is upscaled, which adds no detail. Use image_size <= {stored}, or re-shard with "
-                      f"--short-side {int(cfg.image_size * 1.15)}", stacklevel=3)
+                      f"--short-side {int(cfg.image_size * 1.15)}", stacklevel=4)
 
 
 class Loader:
-    """Base of the backends: they implement `_host_batches()` and, where needed, `_to_device(batch)`."""
+    """Base of the backends: they implement `_host_batches()` (HostBatches) and, where needed, `_to_device`."""
 
     name = "base"
+    # LoaderConfig fields this backend does not implement: a non-default value is refused (not silently ignored).
+    unsupported: tuple[str, ...] = ()
 
     def __init__(self, manifest: Manifest, cfg: LoaderConfig):
         self.cfg = cfg.resolved()
+        self._refuse_unsupported()
         self.manifest = manifest
         self.device = torch.device(self.cfg.device)
         self.samples = manifest.split(self.cfg.split).samples
         self.batches = batches_per_epoch(self.cfg.split, self.samples, self.cfg.batch_size, self.cfg.world_size)
         self.epoch = 0
+        self.position = 0  # train: samples of this epoch's sequence the steps so far consumed (epoch.py)
+        self._resume: int | None = None  # a loaded position: where the next iteration starts
+        self._complete = False  # the last iteration ran to the end of its epoch
         self.stats = LoaderStats()
         self.step = DeviceStep(self.device, manifest.mean, manifest.std, self.cfg.normalize)
+        self.shards = None  # the backends that read shards set a ShardSet (keys, sources)
         if self.name != "synthetic":
             _warn_upscaling(manifest, self.cfg)
+
+    def _refuse_unsupported(self) -> None:
+        default = LoaderConfig()
+        bad = [f for f in self.unsupported if getattr(self.cfg, f) != getattr(default, f)]
+        if bad:
+            what = ", ".join(f"{f}={getattr(self.cfg, f)!r}" for f in bad)
+            raise ConfigError(f"the {self.name} backend does not support {what}; leave "
+                              f"{'it' if len(bad) == 1 else 'them'} at the default or use another backend")
 
     def __len__(self) -> int:
         return self.batches
 
     def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self._resume = None  # a loaded position belongs to the loaded epoch only
         self.epoch = epoch
 
     @property
@@ -100,37 +123,97 @@ class Loader:
         """The resolved settings, for run folders and benchmark JSON."""
         return {"backend": self.name, **asdict(self.cfg), "batches_per_epoch": self.batches}
 
-    # -- backend hooks -------------------------------------------------------------------------------
-    def _host_batches(self) -> Iterator[tuple]:
-        """(images uint8 NHWC, labels, skipped) per batch, on the host."""
+    # -- resuming -------------------------------------------------------------------------------------------
+    def _identity(self) -> dict:
+        """What fixes the epoch's order: the data, the split, the seed and the order settings (not the world size,
+        workers or batch size, which may change on resume)."""
+        m = self.manifest
+        shards = [(s.path, s.samples, s.sha256) for s in m.split(self.cfg.split).shards]
+        data = hashlib.sha256(json.dumps([m.settings.get("fingerprint"), shards]).encode()).hexdigest()[:16]
+        return {"data": data, "split": self.cfg.split, "seed": self.cfg.seed, "balance": self.cfg.balance,
+                "shuffle_buffer": self.cfg.shuffle_buffer}
+
+    def state_dict(self) -> dict:
+        """Where to go on from: small and JSON-able. After a complete epoch, the start of the next one."""
+        if self._complete:
+            return {"epoch": self.epoch + 1, "position": 0, **self._identity()}
+        return {"epoch": self.epoch, "position": self.position, **self._identity()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue exactly where `state` was taken (also with another world size, worker count or batch size)."""
+        mine = self._identity()
+        differ = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
+        if differ:
+            what = ", ".join(f"{k}: the state has {old!r}, this loader {new!r}" for k, (old, new) in differ.items())
+            raise ConfigError(f"this loader state belongs to another data set or settings ({what})")
+        if not isinstance(state.get("position"), int) or not 0 <= state["position"] <= self.samples:
+            raise ConfigError(f"loader state position {state.get('position')!r} is outside 0..{self.samples}")
+        self.epoch, self._resume, self._complete = int(state["epoch"]), state["position"], False
+
+    # -- backend hooks ----------------------------------------------------------------------------------------
+    def _host_batches(self) -> Iterator[HostBatch]:
         raise NotImplementedError
 
-    def _to_device(self, batch: tuple) -> tuple[torch.Tensor, torch.Tensor, int]:
-        images, labels, skipped = batch
-        return self.step.images(images), self.step.labels(labels), skipped
+    def _to_device(self, batch: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.step.images(batch.images), self.step.labels(batch.labels)
 
-    # -- iteration ------------------------------------------------------------------------------------
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _release(self, batch: HostBatch) -> None:
+        """The host batch is no longer needed (its device copy or float version exists)."""
+
+    def keys(self, ids: torch.Tensor) -> list[SampleKey]:
+        s = self.shards
+        return [SampleKey(s.paths[int(s.shard_of(i))].name, s.keys[i], s.source(i)) for i in ids.tolist()]
+
+    # -- iteration --------------------------------------------------------------------------------------------
+    def _expected(self) -> int:
+        if self.cfg.split == "train":
+            return batches_per_epoch("train", self.samples, self.cfg.batch_size, self.cfg.world_size, self.position)
+        return self.batches
+
+    @property
+    def batches_left(self) -> int:
+        """Batches the next iteration yields: a whole epoch, or its rest after load_state_dict."""
+        if self.cfg.split == "train" and self._resume:
+            return batches_per_epoch("train", self.samples, self.cfg.batch_size, self.cfg.world_size, self._resume)
+        return self.batches
+
+    def _moved(self, batch: HostBatch):
+        if batch.error:
+            raise DataError(batch.error)
+        x, y = self._to_device(batch)  # may find more undecodable samples (nvjpeg)
+        for s in batch.skipped:
+            warnings.warn(f"skipping {s}", stacklevel=4)
+        keys = self.keys(batch.ids) if self.cfg.with_keys else None
+        self._release(batch)
+        return x, y, keys, len(batch.skipped), batch.skipped
+
+    def __iter__(self) -> Iterator[tuple]:
         stats = self.stats = LoaderStats(epoch=self.epoch)
-        start = time.perf_counter()
-        batches = self._prefetched() if self.device.type == "cuda" else map(self._to_device, self._host_batches())
+        self.position, self._resume, self._complete = self._resume or 0, None, False
+        expected, start = self._expected(), time.perf_counter()
+        batches = self._prefetched() if self.device.type == "cuda" else map(self._moved, self._host_batches())
         it = iter(batches)
+        step = self.cfg.world_size * self.cfg.batch_size
         while True:
             t = time.perf_counter()
             try:
-                x, y, skipped = next(it)
+                x, y, keys, skipped, why = next(it)
             except StopIteration:
                 break
             stats.wait_s += time.perf_counter() - t
             stats.batches += 1
             stats.samples += len(y)
             stats.skipped += skipped
+            stats.skipped_keys += why[: max(0, 20 - len(stats.skipped_keys))]
             stats.seconds = time.perf_counter() - start
-            yield x, y
+            if self.cfg.split == "train":
+                self.position += step
+            yield (x, y, keys) if self.cfg.with_keys else (x, y)
         stats.seconds = time.perf_counter() - start
-        if stats.batches != self.batches:
-            raise RuntimeError(f"{self.name} loader yielded {stats.batches} batches, expected {self.batches}: "
+        if stats.batches != expected:
+            raise RuntimeError(f"{self.name} loader yielded {stats.batches} batches, expected {expected}: "
                                f"a bug in fastpipe's epoch rule, please report it")
+        self._complete = True
 
     def _prefetched(self) -> Iterator[tuple]:
         """Copy and normalise batch i+1 on a side stream while the caller computes on batch i."""
@@ -139,14 +222,14 @@ class Loader:
 
         def load(batch):
             with torch.cuda.stream(stream):
-                return self._to_device(batch)
+                return self._moved(batch)
 
         host = iter(self._host_batches())
         nxt = next((load(b) for b in host), None)
         while nxt is not None:
             current.wait_stream(stream)  # no host sync: the compute stream waits for the copy on the GPU
-            x, y, skipped = nxt
+            x, y = nxt[0], nxt[1]
             x.record_stream(current)  # the side stream's allocation is in use on the compute stream now
             y.record_stream(current)
-            nxt = next((load(b) for b in host), None)
-            yield x, y, skipped
+            out, nxt = nxt, next((load(b) for b in host), None)
+            yield out

@@ -26,7 +26,8 @@ class LoaderConfig:
     balance: bool = False  # class-balanced sampling with the manifest's class weights (train only)
     normalize: bool = True  # float, normalised with the data set's mean/std; False: uint8 0..255
     on_error: str = "skip"  # a sample that fails to decode: skip and count, or raise
-    shuffle_buffer: int = 1000  # samples mixed across shard boundaries in train mode
+    # train: each shuffle block (epoch.py) mixes at least this many samples of at least two shards
+    shuffle_buffer: int = 1000
     prefetch_factor: int = 4  # batches queued per worker: absorbs decode-time jitter at ~10 MB a batch
     pin_memory: bool | None = None  # None: on when the device is CUDA
     min_scale: float = 0.08  # RandomResizedCrop's area range lower bound (torchvision's default)
@@ -35,6 +36,7 @@ class LoaderConfig:
     # uint8 output on the CPU hands out the workers' shared-memory buffer itself. True: a batch stays valid only
     # until the next one is requested (DALI's rule), and buffers are reused instead of allocated per batch.
     reuse_output: bool = False
+    with_keys: bool = False  # also yield each sample's SampleKey (shard, key, source file), for tracing bad data
 
     def resolved(self) -> LoaderConfig:
         """Fill the None fields from the running process (device, distributed rank)."""

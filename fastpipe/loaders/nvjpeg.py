@@ -1,7 +1,7 @@
 """nvjpeg backend: GPU JPEG decoding without DALI.
 
-DataLoader workers only read the JPEG bytes and draw each sample's crop box and flip (the same draws as the
-torch backend); the batch is decoded on the device in one call — TorchCodec's `decode_jpeg` when installed,
+DataLoader workers only read the JPEG bytes and draw each sample's crop box and flip (the same per-sample draws as
+the torch backend); the batch is decoded on the device in one call — TorchCodec's `decode_jpeg` when installed,
 else torchvision's (deprecated from 0.29 in favour of TorchCodec) — then cropped, flipped and resized there.
 Without a GPU the same code decodes on the CPU, which is how CI tests it.
 """
@@ -13,7 +13,9 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from fastpipe.loaders.torch_wds import TorchLoader
+from fastpipe.loaders.batch import HostBatch
+from fastpipe.loaders.prepare import EncodedBytes, SampleError
+from fastpipe.loaders.stream import StreamLoader
 
 
 def _decoder():
@@ -32,45 +34,54 @@ def _decoder():
         return "torchvision", tv
 
 
-class NvjpegLoader(TorchLoader):
+class NvjpegLoader(StreamLoader):
     name = "nvjpeg"
-    mode = "bytes"
+    unsupported = ("cpu_decoder", "reuse_output")
 
     def __init__(self, manifest, cfg):
         super().__init__(manifest, cfg)
         self.decoder_name, self._decode = _decoder()
 
+    def make_prepare(self):
+        return EncodedBytes(self.cfg)
+
     def describe(self) -> dict:
         return {**super().describe(), "decoder": self.decoder_name}
 
-    def _decode_batch(self, datas: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """One batched call; if it fails, image by image, so that one bad JPEG costs one sample."""
+    def _decode_batch(self, batch: HostBatch) -> list[torch.Tensor | None]:
+        """One batched call; if it fails, image by image, so that one bad JPEG costs one sample, named."""
         try:
-            return list(self._decode(datas, self.device))
+            return list(self._decode(batch.data, self.device))
         except RuntimeError:
             out = []
-            for d in datas:
+            for d, i in zip(batch.data, batch.ids.tolist()):
                 try:
                     out.append(self._decode([d], self.device)[0])
                 except RuntimeError as e:
+                    s = self.shards
+                    what = f"sample {s.keys[i]} in shard {s.paths[int(s.shard_of(i))].name}: {str(e)[:200]}"
                     if self.cfg.on_error == "raise":
-                        raise
-                    warnings.warn(f"skipping an undecodable JPEG in a {self.cfg.split} batch: {e}", stacklevel=2)
+                        raise SampleError(what) from e
+                    batch.skipped.append(what)
                     out.append(None)
             return out
 
-    def _to_device(self, batch):
-        datas, boxes, flips, labels, skipped = batch
-        images = self._decode_batch(datas)
-        size = self.cfg.image_size
-        crops, keep = [], []
-        for i, (img, (x0, y0, x1, y1), flip) in enumerate(zip(images, boxes.tolist(), flips.tolist())):
+    def _to_device(self, batch: HostBatch):
+        images = self._decode_batch(batch)
+        size, crops, keep = self.cfg.image_size, [], []
+        for i, (img, (x0, y0, x1, y1), flip) in enumerate(zip(images, batch.boxes.tolist(), batch.flips.tolist())):
             if img is None:
                 continue
             crop = img[:, y0:y1, x0:x1].unsqueeze(0).float()
             crop = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
             crops.append(crop.flip(-1) if flip else crop)
             keep.append(i)
+        if not keep and len(images):
+            raise SampleError(f"none of the {len(images)} samples of a batch decodes on {self.device}: the shards "
+                              f"are damaged; run `fastpipe inspect --verify`")
+        if self.cfg.split == "train" and len(keep) < len(images):  # keep the batch shape: copies of good samples
+            keep = [keep[k % len(keep)] for k in range(len(images))]
+            crops = [crops[k % len(crops)] for k in range(len(images))]
         x = torch.cat(crops) if crops else torch.empty((0, 3, size, size), device=self.device)
-        y = labels[keep] if len(keep) != len(labels) else labels
-        return self.step.finish(x), self.step.labels(y), skipped + len(labels) - len(keep)
+        batch.ids = batch.ids[keep]
+        return self.step.finish(x), self.step.labels(batch.labels[keep])

@@ -1,20 +1,24 @@
-"""Reading samples out of a split's shards, by sample ranges, through the `.idx` files.
+"""Reading samples out of a split's shards through the `.idx` files: any sample by its id, in one memory copy.
 
-Why not webdataset's streaming tar iterator: the epoch plan gives each worker exact sample ranges (see
-epoch.py); with the index, a range is one seek and one sequential read, parsed by offsets, so a worker
-never reads another worker's bytes and never parses tar headers. The shards are plain WebDataset shards, and
-webdataset itself reads them (tests, the baseline in benchmarks/bench_loaders.py).
+The index of every shard is parsed and checked once, at construction, into flat arrays (offset and size of each
+sample's image and label), so a missing or truncated shard, a damaged index or one whose count disagrees with
+dataset.json fails there, naming the file, not later in a worker. Reading a sample is then a slice of the shard's
+memory map (the page cache does the I/O): no tar parsing and no per-sample system call. The shards stay plain
+WebDataset shards that `webdataset.WebDataset` reads (tests, the baseline in benchmarks/bench_loaders.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+import mmap
 from dataclasses import dataclass
+
+import numpy as np
 
 from fastpipe.errors import DataError
 from fastpipe.loaders.epoch import Piece
 from fastpipe.manifest import MANIFEST_NAME, Manifest
-from fastpipe.shardformat import BLOCK, decode_label, read_index
+from fastpipe.shardformat import decode_label, read_index
 
 
 class ShardError(DataError):
@@ -23,6 +27,7 @@ class ShardError(DataError):
 
 @dataclass(frozen=True)
 class RawSample:
+    id: int  # global sample id: position in the split's shards concatenated in manifest order
     key: str
     shard: str
     image: bytes
@@ -30,20 +35,28 @@ class RawSample:
 
 
 class ShardSet:
-    """The shards of one split, checked against the manifest when opened: a missing or truncated shard, a damaged
-    index or one whose sample count disagrees fails here, naming the file, not later in a worker."""
+    """The shards of one split, their indexes checked against the manifest, read by sample id."""
 
     def __init__(self, manifest: Manifest, split: str):
         info = manifest.split(split)
+        self.root = manifest.root
         self.paths = [manifest.root / s.path for s in info.shards]
         self.index_paths = [manifest.root / s.index for s in info.shards]
         self.counts = [s.samples for s in info.shards]
+        self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
         self.image_ext = manifest.components.image
         self.label_ext = manifest.components.label_bin or manifest.components.label
+        self.meta_ext = manifest.components.meta
         self.num_classes = manifest.num_classes
-        self._index = [self._check(manifest, i, shard) for i, shard in enumerate(info.shards)]
+        n = self.total
+        self.offsets = np.zeros((n, 3), np.int64)  # image, label, meta (-1: none)
+        self.sizes = np.zeros((n, 3), np.int64)
+        self.keys: list[str] = []
+        for i, shard in enumerate(info.shards):
+            self._check(manifest, i, shard)
+        self._maps: dict[int, mmap.mmap] = {}
 
-    def _check(self, manifest: Manifest, i: int, shard) -> list:
+    def _check(self, manifest: Manifest, i: int, shard) -> None:
         path, idx = self.paths[i], self.index_paths[i]
         where = manifest.root / MANIFEST_NAME
         if not path.is_file():
@@ -58,45 +71,82 @@ class ShardSet:
         if len(entries) != shard.samples:
             raise ShardError(f"index {idx} lists {len(entries)} samples but {where} says {shard.samples}: rebuild "
                              f"the index with `fastpipe index --idx-only {path}`, or re-run the conversion")
-        for key, parts in entries:
+        base = int(self.starts[i])
+        for j, (key, parts) in enumerate(entries):
             missing = [e for e in (self.image_ext, self.label_ext) if e not in parts]
             if missing:
                 raise ShardError(f"shard {path}, sample {key!r}: no .{' or .'.join(missing)} member "
                                  f"(has {', '.join(sorted(parts))})")
-        return entries
+            meta = parts.get(self.meta_ext, (-1, 0)) if self.meta_ext else (-1, 0)
+            self.offsets[base + j] = (parts[self.image_ext][0], parts[self.label_ext][0], meta[0])
+            self.sizes[base + j] = (parts[self.image_ext][1], parts[self.label_ext][1], meta[1])
+            self.keys.append(key)
 
     @property
     def total(self) -> int:
-        return sum(self.counts)
+        return int(self.starts[-1])
 
-    def index(self, shard: int) -> list:
-        return self._index[shard]
+    def shard_of(self, ids) -> np.ndarray:
+        return np.searchsorted(self.starts, ids, side="right") - 1
 
-    def read(self, piece: Piece) -> Iterator[RawSample]:
-        """The samples of one piece, from one sequential read."""
-        entries = self.index(piece.shard)[piece.start : piece.start + piece.count]
-        if not entries:
-            return
-        path = self.paths[piece.shard]
-        lo = min(o for o, _ in entries[0][1].values()) - BLOCK
-        hi = max(o + n for o, n in entries[-1][1].values())
-        with open(path, "rb") as fh:
-            fh.seek(lo)
-            buf = fh.read(hi - lo)
-        if len(buf) != hi - lo:
-            raise ShardError(f"shard {path} ends at byte {lo + len(buf)}, before sample {entries[-1][0]} "
-                             f"(byte {hi}): the file is truncated; copy it again")
-        for key, parts in entries:
-            (io_, in_), (lo_, ln_) = parts[self.image_ext], parts[self.label_ext]
-            yield RawSample(key, path.name, buf[io_ - lo : io_ - lo + in_],
-                            self._label(buf[lo_ - lo : lo_ - lo + ln_], path, key))
+    def _map(self, shard: int) -> mmap.mmap:
+        m = self._maps.get(shard)
+        if m is None:  # opened lazily in each process (a worker maps only the shards it reads)
+            with open(self.paths[shard], "rb") as f:
+                m = self._maps[shard] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return m
 
-    def _label(self, data: bytes, path, key: str) -> int:
+    def _bytes(self, shard: int, offset: int, size: int) -> bytes:
+        data = self._map(shard)[offset : offset + size]
+        if len(data) != size:
+            raise ShardError(f"shard {self.paths[shard]} ends before byte {offset + size}: the file was truncated "
+                             f"after the loader opened it; copy it again")
+        return data
+
+    def sample(self, i: int, shard: int | None = None) -> RawSample:
+        shard = int(self.shard_of(i)) if shard is None else shard
+        (io_, lo_, _), (in_, ln_, _) = self.offsets[i], self.sizes[i]
+        return RawSample(i, self.keys[i], self.paths[shard].name, self._bytes(shard, int(io_), int(in_)),
+                         self.label(i, shard, self._bytes(shard, int(lo_), int(ln_))))
+
+    def read(self, ids) -> list[RawSample]:
+        shards = self.shard_of(ids)
+        return [self.sample(int(i), int(s)) for i, s in zip(ids, shards)]
+
+    def read_piece(self, piece: Piece) -> list[RawSample]:
+        first = int(self.starts[piece.shard]) + piece.start
+        return [self.sample(i, piece.shard) for i in range(first, first + piece.count)]
+
+    def label(self, i: int, shard: int, data: bytes) -> int:
         try:
             label = decode_label(data, self.label_ext)
         except ValueError as e:
-            raise ShardError(f"shard {path}, sample {key!r}: {e}") from None
+            raise ShardError(f"shard {self.paths[shard]}, sample {self.keys[i]!r}: {e}") from None
         if not 0 <= label < self.num_classes:
-            raise ShardError(f"shard {path}, sample {key!r}: label {label} is outside the {self.num_classes} "
-                             f"classes of dataset.json; `fastpipe inspect --verify` lists every such sample")
+            raise ShardError(f"shard {self.paths[shard]}, sample {self.keys[i]!r}: label {label} is outside the "
+                             f"{self.num_classes} classes of dataset.json; `fastpipe inspect --verify` lists every "
+                             f"such sample")
         return label
+
+    def labels(self) -> np.ndarray:
+        """Every sample's label (for class-balanced sampling), read once."""
+        out = np.empty(self.total, np.int64)
+        for s in range(len(self.paths)):
+            for i in range(int(self.starts[s]), int(self.starts[s + 1])):
+                out[i] = self.label(i, s, self._bytes(s, int(self.offsets[i, 1]), int(self.sizes[i, 1])))
+        return out
+
+    def source(self, i: int) -> str | None:
+        """The file a sample was converted from (its KEY.json), for tracing bad data; None for foreign shards."""
+        if self.offsets[i, 2] < 0:
+            return None
+        s = int(self.shard_of(i))
+        try:
+            return json.loads(self._bytes(s, int(self.offsets[i, 2]), int(self.sizes[i, 2]))).get("path")
+        except (ValueError, AttributeError):
+            return None
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_maps"] = {}  # memory maps are per process
+        return state

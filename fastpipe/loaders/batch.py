@@ -1,0 +1,93 @@
+"""What a loader worker hands to the main process: a HostBatch, and the shared-memory buffers it travels in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+from torch.utils.data import get_worker_info
+
+
+@dataclass
+class HostBatch:
+    """One batch on the host. Which fields are set depends on the backend's preparation (prepare.py):
+    decoded images (torch), encoded bytes with crop boxes (nvjpeg), or encoded bytes for DALI."""
+
+    labels: torch.Tensor  # int64 (n,)
+    ids: torch.Tensor  # int64 (n,): global sample ids, from which the main process names samples (keys)
+    images: torch.Tensor | None = None  # uint8 NHWC
+    data: list | None = None  # encoded images, one per sample
+    boxes: torch.Tensor | None = None  # int64 (n, 4): crop x0, y0, x1, y1
+    flips: torch.Tensor | None = None  # bool (n,)
+    skipped: list[str] = field(default_factory=list)  # "shard/key: why" for samples that failed to decode
+    slot: int = -1  # the pooled buffer holding `images`, to release once copied (BufferPool)
+    error: str | None = None  # a worker's FastpipeError, re-raised by the main process with this message
+
+    def pin_memory(self) -> HostBatch:
+        """DataLoader's pin-memory thread calls this for objects it does not know."""
+        return replace(self, labels=self.labels.pin_memory(),
+                       images=self.images.pin_memory() if self.images is not None else None)
+
+    @staticmethod
+    def failed(message: str) -> HostBatch:
+        empty = torch.zeros(0, dtype=torch.int64)
+        return HostBatch(empty, empty, error=message)
+
+
+@dataclass(frozen=True)
+class SampleKey:
+    """Which sample an image is, and the file it was converted from (`make_loader(..., with_keys=True)`)."""
+
+    shard: str
+    key: str
+    source: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.shard}/{self.key}" + (f" ({self.source})" if self.source else "")
+
+
+class BufferPool:
+    """uint8 NHWC batch buffers, in shared memory inside DataLoader workers, reused once released.
+
+    A batch in shared memory crosses to the main process without a copy, but a fresh 10 MB buffer per batch costs
+    its first-touch page faults (about a fifth of the decode time here: benchmarks/bench_loaders.py). So each
+    worker keeps up to `ring` buffers and reuses one only after the main process has released it explicitly,
+    through a shared flag, once it has copied the batch out (into a float tensor, or a pinned and device copy).
+    Nothing depends on DataLoader's scheduling; when no buffer is free (or the caller keeps the buffer itself:
+    uint8 output on the CPU) a fresh one is allocated.
+    """
+
+    def __init__(self, workers: int, ring: int, batch: int, size: int):
+        self.shape, self.ring = (batch, size, size, 3), ring
+        self.free = torch.zeros((max(workers, 1), max(ring, 1)), dtype=torch.int8).share_memory_()
+        self.pool: list[torch.Tensor] = []  # this worker's buffers (filled inside the worker process)
+
+    def _new(self) -> torch.Tensor:
+        if get_worker_info() is None:
+            return torch.empty(self.shape, dtype=torch.uint8)
+        storage = torch.UntypedStorage._new_shared(int(np.prod(self.shape)))
+        return torch.tensor([], dtype=torch.uint8).set_(storage).view(self.shape)
+
+    def take(self) -> tuple[torch.Tensor, int]:
+        """A buffer and its slot id (-1: not pooled, never released)."""
+        info = get_worker_info()
+        if info is None or not self.ring:
+            return self._new(), -1
+        flags = self.free[info.id]
+        for slot, buffer in enumerate(self.pool):
+            if flags[slot] == 1:
+                flags[slot] = 0
+                return buffer, info.id * self.ring + slot
+        if len(self.pool) < self.ring:
+            self.pool.append(self._new())
+            flags[len(self.pool) - 1] = 0
+            return self.pool[-1], info.id * self.ring + len(self.pool) - 1
+        return self._new(), -1
+
+    def release(self, slot: int) -> None:
+        if slot >= 0:
+            self.free.view(-1)[slot] = 1
+
+    def release_all(self) -> None:
+        self.free.fill_(1)

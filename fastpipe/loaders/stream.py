@@ -1,0 +1,129 @@
+"""The planned sample stream, separate from what a backend does with a batch.
+
+SampleStream is one DataLoader worker's share of an epoch (epoch.py says which samples, in which order, for which
+rank and worker), read through ShardSet and turned into HostBatches by the backend's `prepare` (prepare.py).
+StreamLoader is the base of the backends whose host batches come from it in DataLoader worker processes.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from fastpipe.errors import FastpipeError
+from fastpipe.loaders import cpu_ops
+from fastpipe.loaders.base import Loader
+from fastpipe.loaders.batch import HostBatch
+from fastpipe.loaders.config import LoaderConfig
+from fastpipe.loaders.epoch import TrainOrder, batches_per_epoch, step_slice, val_batches
+from fastpipe.loaders.shards import ShardSet
+from fastpipe.manifest import Manifest
+
+
+def train_order(shards: ShardSet, cfg: LoaderConfig, manifest: Manifest) -> TrainOrder:
+    if cfg.balance:
+        return TrainOrder(shards.counts, cfg.seed, cfg.shuffle_buffer, manifest.class_weights(), shards.labels())
+    return TrainOrder(shards.counts, cfg.seed, cfg.shuffle_buffer)
+
+
+class SampleStream(IterableDataset):
+    """This worker's batches of the epoch, prepared; a FastpipeError ends the stream as a HostBatch carrying it."""
+
+    def __init__(self, shards: ShardSet, cfg: LoaderConfig, prepare, order: TrainOrder | None):
+        self.shards, self.cfg, self.prepare, self.order = shards, cfg, prepare, order
+        # Shared memory, so that set_epoch and a loaded position reach persistent workers.
+        self.epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
+        self.position = torch.zeros(1, dtype=torch.int64).share_memory_()
+
+    def plan(self, worker: int, workers: int):
+        """(sample ids, their positions in the epoch's sequence) of each batch this worker makes, in order."""
+        cfg, epoch = self.cfg, int(self.epoch[0])
+        if cfg.split == "val":
+            for b, pieces in enumerate(val_batches(self.shards.counts, cfg.rank, cfg.world_size, cfg.batch_size)):
+                if b % workers == worker:
+                    ids = np.concatenate([np.arange(p.count) + self.shards.starts[p.shard] + p.start for p in pieces])
+                    yield ids, ids
+            return
+        sequence, position = self.order.sequence(epoch), int(self.position[0])
+        steps = batches_per_epoch("train", len(sequence), cfg.batch_size, cfg.world_size, position)
+        for t in range(worker, steps, workers):
+            where = step_slice(position, t, cfg.rank, cfg.world_size, cfg.batch_size)
+            yield sequence[where], np.arange(where.start, where.stop)
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        epoch = int(self.epoch[0])
+        try:
+            for ids, positions in self.plan(worker, workers):
+                yield self.prepare(self.shards.read(ids), positions, epoch)
+        except FastpipeError as e:  # named and explained: the main process raises it without a worker traceback
+            yield HostBatch.failed(str(e))
+
+
+def _worker_context():
+    """fork (fast, the default) unless this process holds DALI: a forked copy of a DALI pipeline hangs in its
+    destructor when the child's garbage collector meets it (seen here). Then forkserver: workers fork from a
+    clean server process that has imported this module once."""
+    if "nvidia.dali" not in sys.modules:
+        return None
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
+
+
+class StreamLoader(Loader):
+    """Host batches from SampleStream in DataLoader workers (torch and nvjpeg backends): subclasses give the
+    preparation (`make_prepare`) and the device step (`_to_device`)."""
+
+    def __init__(self, manifest: Manifest, cfg: LoaderConfig):
+        super().__init__(manifest, cfg)
+        self.shards = ShardSet(manifest, self.cfg.split)
+        order = train_order(self.shards, self.cfg, manifest) if self.cfg.split == "train" else None
+        self.num_workers, self.prefetch = self._fit_shared_memory(self._pick_workers())
+        self.dataset = SampleStream(self.shards, self.cfg, self.make_prepare(), order)
+        w = self.num_workers
+        self.dataloader = DataLoader(
+            self.dataset, batch_size=None, num_workers=w, pin_memory=self.cfg.pin_memory,
+            persistent_workers=w > 0, prefetch_factor=self.prefetch if w > 0 else None,
+            multiprocessing_context=_worker_context() if w > 0 else None, worker_init_fn=cpu_ops.one_thread)
+
+    def make_prepare(self):
+        raise NotImplementedError
+
+    def batch_bytes(self) -> int:
+        """Bytes of one host batch (for fitting the workers' queues into shared memory)."""
+        split = self.manifest.split(self.cfg.split)
+        return self.cfg.batch_size * sum(s.bytes for s in split.shards) // max(split.samples, 1)
+
+    def _pick_workers(self) -> int:
+        from fastpipe.loaders.workers import heuristic_workers, tuned_workers
+
+        if self.cfg.num_workers == "probe":
+            return tuned_workers(self.manifest, self.cfg, self.name)
+        if self.cfg.num_workers is None:
+            return heuristic_workers(self.cfg.world_size if self.device.type == "cuda" else 1)
+        return self.cfg.num_workers
+
+    def _fit_shared_memory(self, workers: int) -> tuple[int, int]:
+        from fastpipe.loaders.workers import fit_shared_memory, shm_free
+
+        workers, prefetch, note = fit_shared_memory(workers, self.batch_bytes(), self.cfg.prefetch_factor,
+                                                    shm_free())
+        if note:
+            warnings.warn(note, stacklevel=4)
+        return workers, prefetch
+
+    def describe(self) -> dict:
+        return {**super().describe(), "num_workers": self.num_workers, "prefetch_factor": self.prefetch}
+
+    def _host_batches(self):
+        self.dataset.epoch[0] = self.epoch
+        self.dataset.position[0] = self.position
+        return iter(self.dataloader)
