@@ -92,12 +92,13 @@ def variants(out: Path, args, workers: int) -> dict:
     # conversion runs there. One row shows what that conversion costs when the "device" is this CPU.
     # reuse_output: the benchmark, like a training step, is done with a batch when it asks for the next.
     kw = dict(batch_size=args.batch_size, image_size=args.image_size, num_workers=workers, device="cpu",
-              normalize=False, reuse_output=True)
+              normalize=False)
+    tkw = {**kw, "reuse_output": True}  # the torch backend's buffer recycling for uint8 output on the CPU
     v = {
         "webdataset (docs), float": lambda: plain_webdataset(out, args),
-        "fastpipe torch, uint8": lambda: make_loader(out, "torch", **kw),
+        "fastpipe torch, uint8": lambda: make_loader(out, "torch", **tkw),
         "fastpipe torch, float on cpu": lambda: make_loader(out, "torch", **{**kw, "normalize": True}),
-        "fastpipe torch pillow, uint8": lambda: make_loader(out, "torch", cpu_decoder="pillow", **kw),
+        "fastpipe torch pillow, uint8": lambda: make_loader(out, "torch", cpu_decoder="pillow", **tkw),
         "fastpipe nvjpeg cpu-decode, uint8": lambda: make_loader(out, "nvjpeg", **kw),
         "fastpipe dali cpu, uint8": lambda: make_loader(out, "dali", **kw),
     }

@@ -20,6 +20,10 @@ class DataError(FastpipeError, ValueError):
     """Input data, a shard, an index file or a manifest that is missing, damaged or inconsistent."""
 
 
+class MissingDependency(FastpipeError, ImportError):
+    """An optional package a feature needs is not installed (the message gives the install command)."""
+
+
 class BusyError(FastpipeError, RuntimeError):
     """Another fastpipe process is writing into the same folder."""
 

@@ -90,7 +90,7 @@ def test_synthetic_has_the_real_loaders_shape_and_length(converted):
 def test_unknown_backend_and_setting_are_refused(converted):
     with pytest.raises(ValueError, match="torch, dali, nvjpeg, synthetic"):
         make_loader(converted, "ffcv")
-    with pytest.raises(TypeError, match="batch_sise"):
+    with pytest.raises(ValueError, match="batch_sise"):
         make_loader(converted, "torch", batch_sise=3)
 
 

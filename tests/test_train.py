@@ -25,6 +25,13 @@ FAST = dict(model="resnet18", batch_size=8, image_size=32, workers=1, device="cp
             warmup_epochs=0.5)
 
 
+def epochs(run: Path) -> list[dict]:
+    """The per-epoch records of a run's metrics.jsonl (it also holds step records)."""
+    from fastpipe.train.runs import Run
+
+    return Run(run).epochs()
+
+
 def cfg(data, out, **kw) -> TrainConfig:
     return TrainConfig(data=str(data), out=str(out), **{**FAST, **kw})
 
@@ -33,7 +40,7 @@ def test_short_run_learns_and_records_everything(converted, tmp_path):
     # AdamW 1e-3: reached val acc 1.0 in 8 of 8 runs (seeds 0-3 x 1 and 2 threads); SGD at lr 0.05 or 0.02 with
     # batch 8 diverged in some of them (0.22-0.78). The threshold keeps a wide margin below what it reaches.
     run = train(cfg(converted, tmp_path / "runs" / "a", epochs=3, optimizer="adamw", lr=1e-3))
-    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    metrics = epochs(run)
     assert [m["epoch"] for m in metrics] == [0, 1, 2]
     assert metrics[-1]["val_acc"] > 0.8  # chance is 1/3: the colours are learnable
     for key in ("train_loss", "img_per_s", "data_wait", "val_loss", "per_class_acc", "confusion", "lr"):
@@ -84,21 +91,21 @@ def test_resume_equals_an_uninterrupted_run(converted, tmp_path):
     a = torch.load(straight / "last.pt", weights_only=False)["model"]
     b = torch.load(resumed / "last.pt", weights_only=False)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
-    ma = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
-    mb = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    ma = epochs(straight)
+    mb = epochs(resumed)
     assert [m["val_acc"] for m in ma] == [m["val_acc"] for m in mb]
     assert [m["train_loss"] for m in ma] == pytest.approx([m["train_loss"] for m in mb], rel=1e-6)
 
 
 def test_existing_run_folder_needs_resume(converted, tmp_path):
     train(cfg(converted, tmp_path / "r", epochs=1))
-    with pytest.raises(FileExistsError, match="--resume"):
+    with pytest.raises(ValueError, match="--resume"):
         train(cfg(converted, tmp_path / "r", epochs=1))
 
 
 def test_bf16_autocast_on_cpu(converted, tmp_path):
     run = train(cfg(converted, tmp_path / "bf16", epochs=1, amp="bf16"))
-    m = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    m = epochs(run)[0]
     assert m["train_loss"] == m["train_loss"] and m["train_loss"] > 0  # finite
 
 
@@ -136,7 +143,7 @@ def test_torchrun_two_processes_gloo(converted, tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     config = json.loads((out / "config.json").read_text())
     assert config["world_size"] == 2
-    m = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    m = epochs(out)[0]
     splits = load(converted).splits
     # Both ranks' samples are counted; val is seen once in all.
     assert m["train_samples"] == (splits["train"].samples // 8) * 8 and m["val_samples"] == splits["val"].samples
@@ -174,7 +181,7 @@ def test_memory_cli_prints_the_breakdown():
 @pytest.mark.gpu
 def test_fp16_gradscaler_run(converted, tmp_path):
     run = train(cfg(converted, tmp_path / "fp16", epochs=2, device="cuda", amp="fp16", lr=0.05))
-    m = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    m = epochs(run)
     assert m[-1]["peak_mem_mb"] > 0 and m[-1]["val_acc"] > 0.6
     assert json.loads((run / "config.json").read_text())["train"]["channels_last"] is True
 
@@ -208,16 +215,19 @@ def test_memory_prediction_within_ten_percent(model):
     assert abs(predicted - measured) / measured < 0.10, (predicted, measured)
 
 
-def test_resume_drops_epochs_logged_after_the_last_checkpoint(tmp_path):
-    """A kill between logging epoch e and saving its checkpoint: resuming redoes epoch e, logged once."""
+def test_resume_drops_what_was_logged_after_the_last_checkpoint(tmp_path):
+    """A kill between logging and the next checkpoint: resuming redoes that work, logged once."""
     from fastpipe.train.runs import Run
 
     run = Run(tmp_path / "r")
     run.start({"train": {}})
     for e in range(3):
-        run.log({"epoch": e})
-    run.truncate_metrics(2)  # the checkpoint holds epochs 0-1
-    assert [m["epoch"] for m in run.metrics()] == [0, 1]
+        for s in range(1, 4):
+            run.log({"kind": "step", "step": 3 * e + s, "epoch": e})
+        run.log({"kind": "epoch", "epoch": e})
+    run.truncate_metrics(2, 7)  # the checkpoint: epochs 0-1 done, step 7 of epoch 2
+    assert [m["epoch"] for m in run.epochs()] == [0, 1]
+    assert [m["step"] for m in run.metrics() if m["kind"] == "step"] == list(range(1, 8))
 
 
 # -- how a run ends, and resuming it safely ----------------------------------------------------------------
@@ -250,6 +260,8 @@ def test_ctrl_c_and_sigterm_leave_a_summary_and_the_resume_command(converted, tm
     assert p.returncode == code, err[-2000:]
     assert _summary(out)["status"] == status
     assert f"--out {out} --resume" in err and "Traceback" not in err
+    if sig == signal.SIGINT:
+        return
     # ... and that command continues the run
     r = subprocess.run([sys.executable, "-m", "fastpipe", "train", str(converted), "--out", str(out), "--resume",
                         "--epochs", str(_summary(out)["epochs_done"] + 1)], capture_output=True, text=True,
@@ -314,7 +326,7 @@ def test_a_partial_last_metrics_line_is_dropped_a_damaged_one_is_named(converted
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"epoch": 1, "train_lo')  # killed while writing
     train(cfg(converted, out, epochs=2, resume=True))
-    assert [m["epoch"] for m in Run(out).metrics()] == [0, 1]
+    assert [m["epoch"] for m in Run(out).epochs()] == [0, 1]
     (out / "metrics.jsonl").write_text('{"epoch": 0}\nnot json\n{"epoch": 1}\n')
     with pytest.raises(RunError, match=r"metrics\.jsonl, line 2"):
         Run(out).metrics()
@@ -328,7 +340,7 @@ def test_training_without_a_validation_split(tmp_path):
     src = make_folder(tmp_path / "src", {"red": 12, "green": 12}, size=(64, 48))
     shard(ShardConfig(src, tmp_path / "data", short_side=48, val_fraction=0, workers=0))
     run = train(cfg(tmp_path / "data", tmp_path / "r", epochs=1))
-    m = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    m = epochs(run)[0]
     assert "val_acc" not in m and m["train_samples"] == 24
     assert _summary(run)["status"] == "finished" and _summary(run)["best_val_acc"] is None
     assert (run / "curves.png").exists()
@@ -339,3 +351,92 @@ def test_an_image_size_above_the_stored_side_warns(converted):
 
     with pytest.warns(UserWarning, match=r"image_size 96 is larger than the stored short side \(64 px\)"):
         make_loader(converted, "torch", batch_size=4, image_size=96, device="cpu", num_workers=0)
+
+
+# -- mid-epoch resumption ------------------------------------------------------------------------------------
+TRAIN = ["--batch-size", "4", "--image-size", "32", "--device", "cpu", "--workers", "1", "--log-every", "2",
+         "--optimizer", "adamw", "--lr", "0.001"]
+
+
+def _start(converted, out, *extra) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "fastpipe", "train", str(converted), "--out", str(out),
+                             *TRAIN, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_step(out: Path, step: int, p: subprocess.Popen, timeout=120) -> None:
+    from fastpipe.train.runs import Run
+
+    deadline = time.time() + timeout
+    while time.time() < deadline and p.poll() is None:
+        if (out / "metrics.jsonl").exists() and any(m.get("step", 0) >= step for m in Run(out).metrics()):
+            return
+        time.sleep(0.02)
+
+
+def _steps(out: Path) -> list[int]:
+    from fastpipe.train.runs import Run
+
+    return [m["step"] for m in Run(out).metrics() if m.get("kind") == "step"]
+
+
+def test_sigterm_mid_epoch_then_resume_is_bit_identical_to_an_uninterrupted_run(converted, tmp_path):
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    assert _start(converted, straight, "--epochs", "1").wait(300) == 0
+    p = _start(converted, cut, "--epochs", "1")
+    _wait_for_step(cut, 4, p)  # the epoch has 16 steps of 4 images: this is mid-epoch
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 143 and "--resume" in err, err[-2000:]
+    state = torch.load(cut / "last.pt", weights_only=True)
+    assert state["mid_epoch"] and state["global_step"] < 16, "the signal did not land mid-epoch"
+    r = subprocess.run([sys.executable, "-m", "fastpipe", "train", str(converted), "--out", str(cut), "--resume"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    a = torch.load(straight / "last.pt", weights_only=True)["model"]
+    b = torch.load(cut / "last.pt", weights_only=True)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)  # bit for bit
+    assert _steps(cut) == _steps(straight) == list(range(2, 17, 2))  # no step logged twice or missing
+    assert [m["val_acc"] for m in epochs(cut)] == [m["val_acc"] for m in epochs(straight)]
+    assert [m["train_loss"] for m in epochs(cut)] == pytest.approx([m["train_loss"] for m in epochs(straight)])
+
+
+def test_a_killed_run_resumes_from_its_last_periodic_checkpoint(converted, tmp_path):
+    out = tmp_path / "r"
+    p = _start(converted, out, "--epochs", "2", "--checkpoint-every", "3")
+    _wait_for_step(out, 8, p)
+    p.kill()  # SIGKILL: no handler runs, the last periodic checkpoint is all there is
+    p.wait()
+    r = subprocess.run([sys.executable, "-m", "fastpipe", "train", str(converted), "--out", str(out), "--resume"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert _steps(out) == list(range(2, 33, 2)) and [m["epoch"] for m in epochs(out)] == [0, 1]
+    assert json.loads((out / "summary.json").read_text())["status"] == "finished"
+
+
+def test_errors_csv_names_the_most_confident_mistakes(converted, tmp_path):
+    run = train(cfg(converted, tmp_path / "r", epochs=1, lr=1e-4, optimizer="adamw"))  # barely trained: mistakes
+    rows = (run / "errors.csv").read_text().splitlines()
+    assert rows[0] == "rank,confidence,label,predicted,source,shard,sample" and len(rows) > 1
+    first = rows[1].split(",")
+    assert first[2] != first[3] and first[4].endswith(".jpg") and first[4].split("/")[0] == first[2]
+    conf = [float(r.split(",")[1]) for r in rows[1:]]
+    assert conf == sorted(conf, reverse=True)
+    assert (run / "errors.jpg").stat().st_size > 5000
+
+
+def test_resume_under_torchrun_with_another_process_count(converted, tmp_path):
+    out = tmp_path / "ddp"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    p = subprocess.Popen([str(torchrun), "--nproc_per_node", "2", "--master_port", "29533", "-m", "fastpipe", "train",
+                          str(converted), "--out", str(out), *TRAIN, "--epochs", "3"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_step(out, 2, p, timeout=180)
+    p.send_signal(signal.SIGTERM)  # torchrun passes it on to both ranks
+    p.communicate(timeout=180)
+    state = torch.load(out / "last.pt", weights_only=True)
+    assert state["step_samples"] == 8  # saved by 2 ranks x batch 4
+    r = subprocess.run([sys.executable, "-m", "fastpipe", "train", str(converted), "--out", str(out), "--resume",
+                        "--workers", "2"], capture_output=True, text=True, timeout=300)  # now one process
+    assert r.returncode == 0, r.stderr[-2000:]
+    steps = _steps(out)
+    assert steps == sorted(set(steps)) and [m["epoch"] for m in epochs(out)] == [0, 1, 2]

@@ -8,6 +8,7 @@ what a run may write and delete.
 from __future__ import annotations
 
 import json
+import signal
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -131,9 +132,11 @@ class Summary:
 _SETTINGS: tuple[images.ImageSettings, int] | None = None
 
 
-def _init_worker(settings: images.ImageSettings, max_file_size: int) -> None:
+def _init_worker(settings: images.ImageSettings, max_file_size: int, in_pool: bool = False) -> None:
     global _SETTINGS
     _SETTINGS = (settings, max_file_size)
+    if in_pool:  # Ctrl-C reaches the whole process group: the main process stops the pool and says what to do
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _convert_one(path: str) -> images.Encoded | images.Rejected:
@@ -201,7 +204,7 @@ class _SplitRun:
 def _make_pool(workers: int, cfg: ShardConfig):
     # spawn, not fork: a parent that already holds torch/CUDA state must not be forked.
     return get_context("spawn").Pool(workers, initializer=_init_worker,
-                                      initargs=(cfg.image_settings(), cfg.max_file_size))
+                                      initargs=(cfg.image_settings(), cfg.max_file_size, True))
 
 
 def _guard(cfg: ShardConfig, fingerprint: str, journal: Journal) -> bool:

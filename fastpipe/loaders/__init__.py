@@ -39,7 +39,7 @@ def make_loader(out: str | os.PathLike, backend: str = "torch", **settings):
     valid = {f.name for f in fields(LoaderConfig)}
     unknown = sorted(set(settings) - valid)
     if unknown:
-        raise TypeError(f"unknown loader setting(s) {unknown}: valid are {sorted(valid - {'backend'})}")
+        raise ConfigError(f"unknown loader setting(s) {unknown}: valid are {sorted(valid - {'backend'})}")
     backend_class(backend)  # reject an unknown name before reading anything
     return make_loader_from(load(out), LoaderConfig(backend=backend, **settings))
 

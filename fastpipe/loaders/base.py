@@ -162,7 +162,7 @@ class Loader:
 
     def keys(self, ids: torch.Tensor) -> list[SampleKey]:
         s = self.shards
-        return [SampleKey(s.paths[int(s.shard_of(i))].name, s.keys[i], s.source(i)) for i in ids.tolist()]
+        return [SampleKey(s.paths[int(s.shard_of(i))].name, s.keys[i], s.source(i), i) for i in ids.tolist()]
 
     # -- iteration --------------------------------------------------------------------------------------------
     def _expected(self) -> int:

@@ -42,6 +42,7 @@ class SampleKey:
     shard: str
     key: str
     source: str | None = None
+    id: int = -1  # the sample's position in its split (ShardSet.sample(id) reads it again)
 
     def __str__(self) -> str:
         return f"{self.shard}/{self.key}" + (f" ({self.source})" if self.source else "")

@@ -17,6 +17,8 @@ import math
 import numpy as np
 from PIL import Image
 
+from fastpipe.errors import MissingDependency
+
 RESAMPLE = Image.Resampling.BILINEAR  # Pillow's bilinear is antialiased when shrinking, like torchvision's
 DECODERS = ("auto", "simplejpeg", "pillow")
 
@@ -29,7 +31,15 @@ except ImportError:  # the Pillow path does everything, slower
 
 def one_thread(_worker_id: int = 0) -> None:
     """DataLoader worker_init_fn: one loader worker = one core, so OpenCV's own thread pool would oversubscribe.
-    Set in the workers only; the user's process keeps its OpenCV settings."""
+    Set in the workers only; the user's process keeps its OpenCV settings.
+
+    Workers also ignore SIGINT and SIGTERM: Ctrl-C in a terminal and torchrun's shutdown signal the whole process
+    group, and a worker dying of it would fail the training step the main process is finishing before it saves
+    a checkpoint. The main process ends its workers itself (and they exit when it dies)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if cv2 is not None:
         cv2.setNumThreads(1)
 
@@ -102,7 +112,7 @@ def _header(data: bytes, decoder: str):
         except ValueError:
             pass  # not a JPEG (or a damaged header): Pillow decides
     if decoder == "simplejpeg" and simplejpeg is None:
-        raise ImportError("decoder='simplejpeg' needs simplejpeg and opencv-python-headless installed")
+        raise MissingDependency("decoder='simplejpeg' needs simplejpeg and opencv-python-headless installed")
     return *Image.open(io.BytesIO(data)).size, False
 
 

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from fastpipe.errors import DataError
+from fastpipe.errors import DataError, MissingDependency
 from fastpipe.loaders.base import Loader
 from fastpipe.loaders.batch import HostBatch
 from fastpipe.loaders.epoch import Piece
@@ -39,7 +39,7 @@ def _import_dali():
     try:
         import nvidia.dali  # noqa: F401
     except ImportError as e:
-        raise ImportError(INSTALL_HINT) from e
+        raise MissingDependency(INSTALL_HINT) from e
 
 
 def _graph(jpegs, cfg, gpu: bool):

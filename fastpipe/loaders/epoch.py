@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fastpipe.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -43,7 +45,7 @@ def batches_per_epoch(split: str, samples: int, batch_size: int, world_size: int
     if split == "train":
         n = (samples - position) // (world_size * batch_size)
         if n == 0 and position == 0:
-            raise ValueError(f"{samples} train samples are fewer than world_size x batch_size = "
+            raise ConfigError(f"{samples} train samples are fewer than world_size x batch_size = "
                              f"{world_size} x {batch_size}: lower the batch size")
         return max(n, 0)
     return math.ceil(math.ceil(samples / world_size) / batch_size)

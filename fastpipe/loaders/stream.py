@@ -7,8 +7,10 @@ StreamLoader is the base of the backends whose host batches come from it in Data
 
 from __future__ import annotations
 
+import atexit
 import sys
 import warnings
+import weakref
 
 import numpy as np
 import torch
@@ -78,6 +80,16 @@ def _worker_context():
     return ctx
 
 
+def _stop_workers(ref) -> None:
+    """At interpreter exit, before multiprocessing's own exit handler: that one ends daemon workers with SIGTERM,
+    which ours ignore (cpu_ops.one_thread), and would then wait for them forever. Ending them through DataLoader's
+    own shutdown (an event and a sentinel) needs no signal."""
+    loader = ref()
+    it = getattr(getattr(loader, "dataloader", None), "_iterator", None)
+    if it is not None and hasattr(it, "_shutdown_workers"):
+        it._shutdown_workers()
+
+
 class StreamLoader(Loader):
     """Host batches from SampleStream in DataLoader workers (torch and nvjpeg backends): subclasses give the
     preparation (`make_prepare`) and the device step (`_to_device`)."""
@@ -93,6 +105,8 @@ class StreamLoader(Loader):
             self.dataset, batch_size=None, num_workers=w, pin_memory=self.cfg.pin_memory,
             persistent_workers=w > 0, prefetch_factor=self.prefetch if w > 0 else None,
             multiprocessing_context=_worker_context() if w > 0 else None, worker_init_fn=cpu_ops.one_thread)
+        if w > 0:
+            atexit.register(_stop_workers, weakref.ref(self))
 
     def make_prepare(self):
         raise NotImplementedError

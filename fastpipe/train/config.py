@@ -11,7 +11,8 @@ from fastpipe.options import opt, parse_workers
 AMP_MODES = ("fp16", "bf16", "off")
 OPTIMIZERS = ("sgd", "adamw")
 # What a resumed run may change: how long it runs and where, not what it trains.
-RESUMABLE_CHANGES = {"epochs", "stop_after", "workers", "resume", "out", "log_every", "device", "data"}
+RESUMABLE_CHANGES = {"epochs", "stop_after", "workers", "resume", "out", "log_every", "device", "data",
+                     "checkpoint_every"}
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class TrainConfig:
     out: str | None = opt(None, "run folder (default runs/<time>-<model>)")
     resume: bool = opt(False, "continue the run in --out from its last checkpoint, with its saved settings")
     stop_after: int | None = opt(None, "leave after N epochs of this invocation (resumable), for time-limited jobs")
+    checkpoint_every: int | None = opt(None, "also save last.pt every N optimizer steps (mid-epoch; SIGTERM and "
+                                             "Ctrl-C always save one)")
     seed: int = opt(0, "seed for the model, the data order and the augmentations")
     pretrained: str | None = opt(None, "local weights file to start from (no downloads)")
     balance: bool = opt(False, "class-balanced sampling")

@@ -63,6 +63,19 @@ def amp_dtype(mode: str):
 
 
 @dataclass
+class EpochProgress:
+    """How far an epoch is, summed over the ranks: saved in mid-epoch checkpoints so that a resumed epoch goes on
+    from the next step and reports the figures of the whole epoch."""
+
+    step: int = 0  # micro-batches done (this rank's count; equal on every rank)
+    batches: int = 0  # micro-batches done, all ranks
+    images: int = 0  # all ranks
+    loss_sum: float = 0.0  # all ranks
+    wait: float = 0.0  # seconds, mean over ranks
+    seconds: float = 0.0
+
+
+@dataclass
 class Trainer:
     cfg: TrainConfig
     model: nn.Module
@@ -72,7 +85,10 @@ class Trainer:
     criterion: nn.Module
     device: torch.device
     dist: Dist
-    stop: StopRequest = field(default_factory=StopRequest)  # SIGINT/SIGTERM: stop between steps
+    stop: StopRequest = field(default_factory=StopRequest)  # SIGINT/SIGTERM: stop at the next optimizer step
+    global_step: int = 0  # optimizer steps since the start of the run
+    checkpoint: object = None  # checkpoint(epoch, progress, loader): the session's mid-epoch save
+    log_step: object = None  # log_step(record): the session's metrics.jsonl
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=amp_dtype(self.cfg.amp), enabled=self.cfg.amp != "off")
@@ -94,41 +110,72 @@ class Trainer:
             self.sched.step()
         return torch.where(finite, loss.detach(), 0.0)
 
-    def train_epoch(self, loader, epoch: int) -> dict:
+    def train_epoch(self, loader, epoch: int, resumed: EpochProgress | None = None) -> dict:
+        """The epoch's micro-batches from where `resumed` left it (or the start); returns the epoch's figures."""
         self.model.train()
         accum = self.cfg.accum_steps
-        steps = (len(loader) // accum) * accum  # micro-batches past the last full accumulation are left out
+        todo = (loader.batches_left // accum) * accum  # micro-batches past the last full accumulation: left out
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        loss_sum = torch.zeros((), device=self.device)
+        base = resumed if resumed is not None and self.dist.main else EpochProgress()  # sums restart on rank 0
+        loss_sum = torch.full((), base.loss_sum, device=self.device)
         streak = torch.zeros((), dtype=torch.int64, device=self.device)
-        n, wait, start = 0, 0.0, time.perf_counter()
-        bar = tqdm(total=steps, desc=f"epoch {epoch + 1}/{self.cfg.epochs}", unit="batch",
+        first = resumed.step if resumed is not None else 0
+        n, wait, start = base.images, base.wait, time.perf_counter() - base.seconds
+        bar = tqdm(total=first + todo, initial=first, desc=f"epoch {epoch + 1}/{self.cfg.epochs}", unit="batch",
                    disable=not self.dist.main, leave=False)
         it = iter(loader)
-        for i in range(steps):
+        for j in range(todo):
+            i = first + j
             t = time.perf_counter()
             x, y = next(it)
             wait += time.perf_counter() - t
             loss_sum += self.step(x, y, i, accum, streak)
             n += len(y)
             bar.update(1)
-            self._stop_point(i)
-            if (i + 1) % self.cfg.log_every == 0 or i + 1 == steps:
-                self._check(streak, epoch, i)  # host sync: reads the loss and the non-finite streak
-                elapsed = time.perf_counter() - start
-                bar.set_postfix(img_s=f"{n * self.dist.world / elapsed:.0f}", wait=f"{100 * wait / elapsed:.0f}%",
-                                loss=f"{loss_sum.item() / (i + 1):.3f}")
+            if (i + 1) % accum == 0:
+                self._after_step(loader, epoch, EpochProgress(i + 1, base.batches + j + 1, n, 0.0, wait,
+                                                              time.perf_counter() - start), loss_sum, streak, bar)
         it.close()  # an epoch cut short by --accum-steps: release the loader's iterator now
         bar.close()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the clock is read after the device has finished
         seconds = time.perf_counter() - start
-        stats = self._reduce(torch.tensor([loss_sum.item(), steps, n, wait, seconds], dtype=torch.float64))
+        stats = self._reduce(torch.tensor([loss_sum.item(), base.batches + todo, n, wait, seconds],
+                                          dtype=torch.float64))
         peak = torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else None
         return {"train_loss": stats[0] / max(stats[1], 1), "img_per_s": stats[2] / (seconds or 1e-9),
                 "data_wait": wait / (seconds or 1e-9), "seconds": seconds, "peak_mem_mb": peak,
                 "lr": self.opt.param_groups[0]["lr"], "train_samples": int(stats[2])}
+
+    def _after_step(self, loader, epoch: int, p: EpochProgress, loss_sum, streak, bar) -> None:
+        """At an optimizer-step boundary (a consistent state): progress, metrics, periodic checkpoint, stop."""
+        self.global_step += 1
+        cfg = self.cfg
+        if self.global_step % cfg.log_every == 0:
+            self._check(streak, epoch, p.step)  # host sync: reads the loss and the non-finite streak
+            loss = loss_sum.item() / max(p.step, 1)
+            bar.set_postfix(img_s=f"{p.images * self.dist.world / max(p.seconds, 1e-9):.0f}",
+                            wait=f"{100 * p.wait / max(p.seconds, 1e-9):.0f}%", loss=f"{loss:.3f}")
+            if self.log_step and self.dist.main:
+                self.log_step({"kind": "step", "step": self.global_step, "epoch": epoch, "loss": loss,
+                               "lr": self.opt.param_groups[0]["lr"]})
+        stopping = self._stop_agreed()
+        if self.checkpoint and (stopping or (cfg.checkpoint_every and self.global_step % cfg.checkpoint_every == 0)):
+            p.loss_sum = loss_sum.item()  # host sync, only when saving
+            self.checkpoint(epoch, self._summed(p), loader)
+        if stopping:
+            self.stop.check()
+
+    def _summed(self, p: EpochProgress) -> EpochProgress:
+        """The progress of every rank together (what a checkpoint keeps)."""
+        if self.dist.world == 1:
+            return p
+        t = torch.tensor([p.batches, p.images, p.loss_sum, p.wait, p.seconds], dtype=torch.float64,
+                         device=self.device)
+        dist.all_reduce(t)
+        b, n, loss, wait, seconds = t.tolist()
+        return EpochProgress(p.step, int(b), int(n), loss, wait / self.dist.world, seconds / self.dist.world)
 
     def _check(self, streak: torch.Tensor, epoch: int, i: int) -> None:
         bad = int(streak.item())
@@ -138,17 +185,18 @@ class Trainer:
                 f"Lower --lr (now {self.cfg.lr:g}), use --amp bf16 or fp16 (its scaler skips bad steps) "
                 f"instead of {self.cfg.amp}, and check the data with `fastpipe inspect --verify`.")
 
-    def _stop_point(self, i: int) -> None:
-        """Stop here if a signal asked for it. With several ranks, all must agree or the others would hang in the
-        next collective: the flag is all-reduced every log_every steps (a sync the progress update makes anyway)."""
+    def _stop_agreed(self) -> bool:
+        """Whether a signal asked to stop. With several ranks all must agree, or the others would hang in the next
+        collective: the flag is all-reduced every log_every optimizer steps (beside the progress sync)."""
         if self.dist.world == 1:
-            self.stop.check()
-        elif (i + 1) % self.cfg.log_every == 0:
-            flag = torch.tensor([1.0 if self.stop.signal_name else 0.0], device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if flag.item():
-                self.stop.signal_name = self.stop.signal_name or "SIGTERM"
-                self.stop.check()
+            return self.stop.signal_name is not None
+        if self.global_step % self.cfg.log_every:
+            return False
+        flag = torch.tensor([1.0 if self.stop.signal_name else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            self.stop.signal_name = self.stop.signal_name or "SIGTERM"
+        return bool(flag.item())
 
     def _reduce(self, t: torch.Tensor) -> list[float]:
         """Sum across ranks (the loss and counts); wait and seconds are averaged."""
@@ -158,43 +206,83 @@ class Trainer:
             t[3:] /= self.dist.world
         return t.cpu().tolist()
 
+    def stop_now(self) -> None:
+        """At an epoch's end (every rank is there): stop if a signal asked for it."""
+        if self.dist.world > 1:
+            flag = torch.tensor([1.0 if self.stop.signal_name else 0.0], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item():
+                self.stop.signal_name = self.stop.signal_name or "SIGTERM"
+        self.stop.check()
+
     @torch.no_grad()
-    def evaluate(self, loader, k: int) -> dict:
+    def evaluate(self, loader, k: int, errors: int = 32) -> dict:
+        """Accuracy, loss, per-class accuracy and confusion; with a loader that yields keys, also the `errors` most
+        confidently misclassified samples (what to look at first when hunting label mix-ups)."""
         self.model.eval()
         confusion = torch.zeros(k * k, dtype=torch.int64, device=self.device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i, (x, y) in enumerate(loader):
-            self._stop_point(i)
+        candidates = []  # per batch: (confidence of wrong predictions, prediction, label, the batch's keys)
+        for batch in loader:
+            x, y = batch[0], batch[1]
             if len(y) == 0:
                 continue
             with self.autocast():
-                out = self.model(x)
-            loss_sum += nn.functional.cross_entropy(out.float(), y, reduction="sum").double()
-            confusion += torch.bincount(y * k + out.argmax(1), minlength=k * k)
+                out = self.model(x).float()
+            loss_sum += nn.functional.cross_entropy(out, y, reduction="sum").double()
+            conf, pred = out.softmax(1).max(1)
+            confusion += torch.bincount(y * k + pred, minlength=k * k)
+            if len(batch) == 3:  # on the device, no sync: the top few of this batch
+                top = torch.topk(torch.where(pred != y, conf, -1.0), min(errors, len(y)))
+                candidates.append((top.values, top.indices, pred[top.indices], y[top.indices], batch[2]))
         if self.dist.world > 1:
             dist.all_reduce(confusion)
             dist.all_reduce(loss_sum)
         cm = confusion.view(k, k).cpu()  # host sync, once per evaluation
         total = int(cm.sum())
         per_class = (cm.diag().double() / cm.sum(1).clamp(min=1).double()).tolist()
-        return {"val_acc": float(cm.diag().sum()) / max(total, 1), "val_loss": float(loss_sum) / max(total, 1),
-                "per_class_acc": per_class, "confusion": cm.tolist(), "val_samples": total}
+        result = {"val_acc": float(cm.diag().sum()) / max(total, 1), "val_loss": float(loss_sum) / max(total, 1),
+                  "per_class_acc": per_class, "confusion": cm.tolist(), "val_samples": total}
+        if candidates:
+            result["errors"] = self._worst(candidates, errors)
+        return result
+
+    def _worst(self, candidates: list, errors: int) -> list[dict]:
+        found = [{"confidence": c, "predicted": p, "label": t, "key": str(keys[i]), "source": keys[i].source,
+                  "shard": keys[i].shard, "sample": keys[i].key, "id": keys[i].id}
+                 for vals, idx, pred, lab, keys in candidates
+                 for c, i, p, t in zip(vals.tolist(), idx.tolist(), pred.tolist(), lab.tolist()) if c >= 0]
+        if self.dist.world > 1:
+            everyone = [None] * self.dist.world
+            dist.all_gather_object(everyone, found)
+            found = [e for part in everyone for e in part]
+        return sorted(found, key=lambda e: -e["confidence"])[:errors]
 
     def state(self, epoch: int) -> dict:
         model = self.model.module if hasattr(self.model, "module") else self.model
         model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
         return {"epoch": epoch, "model": model.state_dict(), "optimizer": self.opt.state_dict(),
                 "scheduler": self.sched.state_dict(), "scaler": self.scaler.state_dict(),
+                "global_step": self.global_step, "step_samples": self._step_samples(),
                 "rng_cpu": torch.get_rng_state(),
                 "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
-    def restore(self, state: dict) -> int:
+    def _step_samples(self) -> int:
+        return self.dist.world * self.cfg.batch_size * self.cfg.accum_steps
+
+    def restore(self, state: dict) -> None:
         model = self.model.module if hasattr(self.model, "module") else self.model
         getattr(model, "_orig_mod", model).load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
+        self.global_step = int(state.get("global_step", 0))
+        before = int(state.get("step_samples") or self._step_samples())
+        if before != self._step_samples():
+            # Resumed with other ranks, batch or accumulation: the schedule goes on from the samples seen so far.
+            self.sched.last_epoch = round(self.global_step * before / self._step_samples())
+            for group, lr in zip(self.opt.param_groups, self.sched.get_lr()):
+                group["lr"] = lr
         torch.set_rng_state(state["rng_cpu"])
         if state.get("rng_cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng_cuda"])
-        return state["epoch"] + 1

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from torch import nn
 
+from fastpipe.errors import ConfigError
 from fastpipe.options import opt, parse_gb
 
 MB = 2**20
@@ -248,4 +249,5 @@ def find_max_batch(cfg: MemoryConfig, limit: int = 4096) -> int:
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()
             batch = int(batch * 0.9) if batch > 10 else batch - 1
-    raise RuntimeError(f"{cfg.model} at {cfg.image_size}px does not train even with batch 1 on {device}")
+    raise ConfigError(f"{cfg.model} at {cfg.image_size}px does not train even with batch 1 on {device}: use a "
+                      f"smaller --image-size, --checkpoint-activations, --amp fp16, or a smaller model")

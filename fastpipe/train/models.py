@@ -9,6 +9,8 @@ import torchvision
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from fastpipe.errors import ConfigError
+
 SUPPORTED = ("resnet18", "resnet34", "resnet50", "resnet101", "mobilenet_v3_small", "mobilenet_v3_large",
              "efficientnet_b0", "efficientnet_b1", "convnext_tiny", "vit_b_16", "regnet_y_400mf")
 
@@ -41,7 +43,7 @@ def _deep_blocks(model: nn.Module) -> tuple[nn.Module, list[str]]:
     if hasattr(model, "trunk_output"):  # RegNet
         names = [n for n, _ in model.trunk_output.named_children()]
         return model.trunk_output, names[len(names) // 2 :]
-    raise ValueError(f"no known stage layout for {type(model).__name__}: --checkpoint-activations unsupported")
+    raise ConfigError(f"no known stage layout for {type(model).__name__}: --checkpoint-activations unsupported")
 
 
 def checkpoint_deep_stages(model: nn.Module) -> list[str]:
@@ -56,7 +58,7 @@ def load_pretrained(model: nn.Module, path: str) -> list[str]:
     Returns the names of the tensors not loaded."""
     file = Path(path)
     if not file.is_file():
-        raise FileNotFoundError(f"--pretrained {path}: no such file (fastpipe never downloads weights; "
+        raise ConfigError(f"--pretrained {path}: no such file (fastpipe never downloads weights; "
                                 f"save them once with torchvision on a machine with a network)")
     state = torch.load(file, map_location="cpu", weights_only=True)
     state = state.get("model", state) if isinstance(state, dict) else state
@@ -72,7 +74,7 @@ def build_model(name: str, num_classes: int, image_size: int = 224, pretrained: 
         kwargs = {"image_size": image_size} if name.startswith("vit") else {}
         model = torchvision.models.get_model(name, weights=None, num_classes=num_classes, **kwargs)
     except ValueError:
-        raise ValueError(f"unknown model {name!r}: try one of {', '.join(SUPPORTED)} "
+        raise ConfigError(f"unknown model {name!r}: try one of {', '.join(SUPPORTED)} "
                          f"(any torchvision classification model name works)") from None
     if pretrained:
         load_pretrained(model, pretrained)

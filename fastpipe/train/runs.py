@@ -2,7 +2,8 @@
 and accuracy; `fastpipe runs` lists them side by side.
 
     runs/NAME/config.json     every resolved setting, versions, device, loader
-    runs/NAME/metrics.jsonl   one line per epoch
+    runs/NAME/metrics.jsonl   one line per epoch ("kind": "epoch") and every log_every optimizer steps ("step")
+    runs/NAME/errors.csv      the most confidently misclassified val samples, with source files (errors.jpg)
     runs/NAME/summary.json    the final figures
     runs/NAME/curves.png      loss / accuracy / throughput per epoch
     runs/NAME/confusion.png   the last validation confusion matrix
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from fastpipe.errors import DataError
+from fastpipe.errors import ConfigError, DataError
 from fastpipe.util import atomic_write_text, write_json_atomic
 
 
@@ -36,7 +37,7 @@ class Run:
 
     def refuse_existing(self) -> None:
         if (self.path / "metrics.jsonl").exists() or self.checkpoint_path.exists():
-            raise FileExistsError(f"{self.path} already holds a run: add --resume to continue it (its saved "
+            raise ConfigError(f"{self.path} already holds a run: add --resume to continue it (its saved "
                                   f"settings are used), or choose another --out")
 
     def saved_settings(self) -> dict:
@@ -72,6 +73,10 @@ class Run:
                     from None
         return out
 
+    def epochs(self) -> list[dict]:
+        """The per-epoch records (metrics.jsonl also holds a record every log_every optimizer steps)."""
+        return [m for m in self.metrics() if m.get("kind", "epoch") == "epoch"]
+
     def log(self, metrics: dict) -> None:
         with open(self.path / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
@@ -96,16 +101,18 @@ class Run:
             raise RunError(f"{self.checkpoint_path} is not a fastpipe checkpoint (needs {sorted(keys)})")
         return state
 
-    def truncate_metrics(self, epochs: int) -> None:
-        """On resume: drop epochs logged after the checkpoint (a kill between log and save)."""
-        kept = [m for m in self.metrics() if m["epoch"] < epochs]
+    def truncate_metrics(self, epochs: int, global_step: int) -> None:
+        """On resume: drop what was logged after the checkpoint (a kill between a log line and the next save), so
+        that no epoch or step is recorded twice: epochs from the one resumed, steps after the checkpoint's."""
+        kept = [m for m in self.metrics()
+                if (m["step"] <= global_step if m.get("kind") == "step" else m["epoch"] < epochs)]
         atomic_write_text(self.path / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in kept))
 
     def finish(self, summary: dict, classes) -> None:
         write_json_atomic(self.path / "summary.json", summary)
         from fastpipe.train.plots import confusion_png, curves_png
 
-        metrics = self.metrics()
+        metrics = self.epochs()
         if metrics:
             curves_png(metrics, self.path / "curves.png")
             if "confusion" in metrics[-1]:

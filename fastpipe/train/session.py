@@ -10,7 +10,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -22,7 +22,8 @@ from fastpipe.errors import ConfigError
 from fastpipe.loaders import LoaderConfig, make_loader_from
 from fastpipe.manifest import load
 from fastpipe.train.config import RESUMABLE_CHANGES, TrainConfig, image_size_for_epoch, resumed_config
-from fastpipe.train.loop import Dist, Trainer, TrainingStopped, make_optimizer, make_schedule
+from fastpipe.train.errors import write_errors
+from fastpipe.train.loop import Dist, EpochProgress, Trainer, TrainingStopped, make_optimizer, make_schedule
 from fastpipe.train.models import build_model
 from fastpipe.train.runs import Run, default_run_dir
 
@@ -135,7 +136,8 @@ def train(cfg: TrainConfig) -> Path:
     model = _build(cfg, manifest, device, d)
     has_val = bool(manifest.splits.get("val") and manifest.splits["val"].samples)
     val_size = image_size_for_epoch(cfg, cfg.epochs - 1)
-    val_loader = make_loader_from(manifest, _loader_cfg(cfg, "val", val_size, cfg.batch_size)) if has_val else None
+    val_loader = make_loader_from(manifest, replace(_loader_cfg(cfg, "val", val_size, cfg.batch_size),
+                                                    with_keys=True)) if has_val else None
     loaders: dict[int, object] = {}
 
     def train_loader(size: int):
@@ -149,9 +151,9 @@ def train(cfg: TrainConfig) -> Path:
     trainer = Trainer(cfg, model, opt, make_schedule(opt, cfg, steps),
                       torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16"),
                       nn.CrossEntropyLoss(weight=weights, label_smoothing=cfg.label_smoothing), device, d)
-    start = 0
+    start = Start()
     if cfg.resume and (state := run.load()) is not None:
-        start = trainer.restore(state)
+        start = _restore(trainer, state)
     if d.main:
         if not has_val:
             print("no validation split in the data set: training without evaluation", file=sys.stderr)
@@ -159,40 +161,70 @@ def train(cfg: TrainConfig) -> Path:
                    "world_size": d.world, "data": {"root": str(manifest.root), "classes": list(manifest.classes),
                                                    "mean": manifest.mean, "std": manifest.std},
                    "loader": train_loader(image_size_for_epoch(cfg, 0)).describe()})
-        run.truncate_metrics(start)
-    with trainer.stop:  # SIGINT/SIGTERM from here on: the current step finishes, then the run stops cleanly
+        run.truncate_metrics(start.epoch, trainer.global_step)
+        trainer.log_step = run.log
+    trainer.checkpoint = lambda epoch, progress, loader: _save_mid(trainer, run, epoch, progress, loader)
+    with trainer.stop:  # SIGINT/SIGTERM from here on: the current step finishes, a checkpoint, then a clean exit
         return _epochs(trainer, run, manifest, train_loader, val_loader, start, d)
 
 
-def _epoch(trainer: Trainer, manifest, loader, val_loader, epoch: int, size: int) -> dict:
-    m = {"epoch": epoch, "image_size": size, **trainer.train_epoch(loader, epoch)}
-    if val_loader is not None:
-        m.update(trainer.evaluate(val_loader, manifest.num_classes))
-    return m
+@dataclass(frozen=True)
+class Start:
+    """Where a run (re)starts: an epoch, and within it the loader state and progress of a mid-epoch checkpoint."""
+
+    epoch: int = 0
+    loader: dict | None = None
+    progress: EpochProgress | None = None
 
 
-def _epochs(trainer: Trainer, run: Run, manifest, train_loader, val_loader, start: int, d: Dist) -> Path:
-    cfg, began, status = trainer.cfg, time.time(), "failed"
-    last = min(cfg.epochs, start + cfg.stop_after) if cfg.stop_after else cfg.epochs
+def _restore(trainer: Trainer, state: dict) -> Start:
+    trainer.restore(state)
+    mid = state.get("mid_epoch")
+    if not mid:
+        return Start(state["epoch"] + 1)
+    return Start(state["epoch"], mid["loader"], EpochProgress(**mid["progress"]))
+
+
+def _save_mid(trainer: Trainer, run: Run, epoch: int, progress: EpochProgress, loader) -> None:
+    """A checkpoint inside an epoch: the model and optimizer after this step, and where the epoch goes on."""
+    if trainer.dist.main:
+        run.save({**trainer.state(epoch), "mid_epoch": {"loader": loader.state_dict(), "progress": asdict(progress)}})
+
+
+def _report(cfg: TrainConfig, m: dict, epoch: int, size: int) -> None:
+    print(f"epoch {epoch + 1}/{cfg.epochs}  size {size}  loss {m['train_loss']:.3f}  "
+          + (f"val acc {m['val_acc']:.3f}  " if "val_acc" in m else "")
+          + f"{m['img_per_s']:.0f} img/s  data wait {100 * m['data_wait']:.0f}%"
+          + (f"  peak {m['peak_mem_mb']:.0f} MB" if m["peak_mem_mb"] else ""))
+
+
+def _epochs(trainer: Trainer, run: Run, manifest, train_loader, val_loader, start: Start, d: Dist) -> Path:
+    cfg, began, status, errors = trainer.cfg, time.time(), "failed", None
+    last = min(cfg.epochs, start.epoch + cfg.stop_after) if cfg.stop_after else cfg.epochs
     try:
-        for epoch in range(start, last):
+        for epoch in range(start.epoch, last):
             size = image_size_for_epoch(cfg, epoch)
             loader = train_loader(size)
             loader.set_epoch(epoch)
-            m = _epoch(trainer, manifest, loader, val_loader, epoch, size)
+            resumed = start.progress if epoch == start.epoch else None
+            if resumed is not None:
+                loader.load_state_dict(start.loader)
+            m = {"kind": "epoch", "epoch": epoch, "image_size": size, **trainer.train_epoch(loader, epoch, resumed)}
+            if d.main:
+                run.save(trainer.state(epoch))  # the epoch is trained: saved before evaluating it
+            if val_loader is not None:
+                m.update(trainer.evaluate(val_loader, manifest.num_classes))
+                errors = m.pop("errors", None)
             if d.main:
                 run.log(m)
-                run.save(trainer.state(epoch))
-                print(f"epoch {epoch + 1}/{cfg.epochs}  size {size}  loss {m['train_loss']:.3f}  "
-                      + (f"val acc {m['val_acc']:.3f}  " if "val_acc" in m else "")
-                      + f"{m['img_per_s']:.0f} img/s  data wait {100 * m['data_wait']:.0f}%"
-                      + (f"  peak {m['peak_mem_mb']:.0f} MB" if m["peak_mem_mb"] else ""))
+                _report(cfg, m, epoch, size)
+            trainer.stop_now()
         status = "finished" if last == cfg.epochs else f"stopped after epoch {last} (--stop-after); --resume continues"
     except KeyboardInterrupt as e:
         status = "interrupted (SIGTERM)" if getattr(e, "signal_name", "") == "SIGTERM" else "interrupted"
         if d.main:
-            print(f"{status}: to continue from the last finished epoch ({len(run.metrics())}): fastpipe train "
-                  f"{cfg.data} --out {run.path} --resume", file=sys.stderr)
+            print(f"{status}: saved at step {trainer.global_step}; to continue: fastpipe train {cfg.data} "
+                  f"--out {run.path} --resume", file=sys.stderr)
         raise
     except torch.OutOfMemoryError as e:
         status = "out of memory"
@@ -206,11 +238,13 @@ def _epochs(trainer: Trainer, run: Run, manifest, train_loader, val_loader, star
     finally:
         if d.main:
             run.finish(_summary(run, cfg, status, time.time() - began), manifest.classes)
+            if errors:
+                write_errors(run.path, errors, val_loader.shards, manifest.classes)
     return run.path
 
 
 def _summary(run: Run, cfg: TrainConfig, status: str, seconds: float) -> dict:
-    ms = run.metrics()
+    ms = run.epochs()
     accs = [m["val_acc"] for m in ms if "val_acc" in m]
     return {"status": status, "epochs_done": len(ms), "best_val_acc": max(accs, default=None),
             "final_val_acc": accs[-1] if accs else None,

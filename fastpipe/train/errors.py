@@ -1,0 +1,48 @@
+"""The most confidently misclassified validation samples, with their source files: errors.csv and errors.jpg in
+the run folder. A label mix-up (a 'rust' photo filed as 'healthy') shows up here at the top, in a minute."""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+from fastpipe.util import atomic_write_bytes, atomic_write_text
+
+CELL, CAPTION, COLS = 200, 34, 6
+
+
+def write_errors(run: Path, errors: list[dict], shards, classes) -> None:
+    """errors: dicts with confidence, predicted, label, key, source, id (Trainer.evaluate)."""
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["rank", "confidence", "label", "predicted", "source", "shard", "sample"])
+    for r, e in enumerate(errors, 1):
+        w.writerow([r, f"{e['confidence']:.4f}", classes[e["label"]], classes[e["predicted"]], e["source"] or "",
+                    e["shard"], e["sample"]])
+    atomic_write_text(run / "errors.csv", buf.getvalue())
+    if shards is not None and errors:
+        _grid(run / "errors.jpg", errors, shards, classes)
+
+
+def _grid(path: Path, errors: list[dict], shards, classes) -> None:
+    rows = -(-len(errors) // COLS)
+    sheet = Image.new("RGB", (COLS * CELL, rows * (CELL + CAPTION)), (30, 30, 30))
+    draw = ImageDraw.Draw(sheet)
+    for n, e in enumerate(errors):
+        x, y = (n % COLS) * CELL, (n // COLS) * (CELL + CAPTION)
+        try:
+            im = Image.open(io.BytesIO(shards.sample(e["id"]).image)).convert("RGB")
+            im.thumbnail((CELL, CELL))
+            sheet.paste(im, (x + (CELL - im.width) // 2, y + (CELL - im.height) // 2))
+        except (OSError, ValueError):
+            pass  # an undecodable image still gets its caption
+        draw.text((x + 4, y + CELL + 2), f"{classes[e['label']][:14]} -> {classes[e['predicted']][:14]}",
+                  fill=(255, 200, 120))
+        draw.text((x + 4, y + CELL + 17), f"{e['confidence']:.2f} {(e['source'] or e['sample'])[-22:]}",
+                  fill=(220, 220, 220))
+    out = io.BytesIO()
+    sheet.save(out, "JPEG", quality=85)
+    atomic_write_bytes(path, out.getvalue())
