@@ -59,7 +59,7 @@ def measure(out: Path, world: int, workers: int, batch: int, epochs: int) -> dic
         for rank in range(world):
             cfg = LoaderConfig(batch_size=batch, image_size=32, rank=rank, world_size=world).resolved()
             s = ShardSet(m, "train")
-            stream = SampleStream(s, cfg, Raw(cfg), train_order(s, cfg, m))
+            stream = SampleStream(s, cfg, Raw(cfg, m.num_classes), train_order(s, cfg, m))
             stream.epoch[0] = epoch
             for w in range(workers):
                 for ids, _pos in stream.plan(w, workers):

@@ -97,6 +97,12 @@ class Manifest:
     # Files written beside the shards, by kind: {"previews": {class: file}, "rejected": file}. With the shard list,
     # this is what fastpipe owns in the folder (and the only thing `--overwrite` removes).
     outputs: dict = field(default_factory=dict)
+    # "single": one class per image; "multilabel": a set of labels per image (class_counts then count positives)
+    task: str = "single"
+
+    @property
+    def multilabel(self) -> bool:
+        return self.task == "multilabel"
 
     @property
     def foreign(self) -> bool:
@@ -125,10 +131,19 @@ class Manifest:
         return [str(self.root / s.path) for s in self.split(split).shards]
 
     def class_weights(self, split: str = "train") -> tuple[float, ...]:
-        """Balanced weights, n / (k * n_c): the mean weight per sample is 1 (sklearn's "balanced")."""
-        counts = self.splits[split].class_counts if split in self.splits else ()
-        total, k = sum(counts), len(counts)
+        """Balanced weights, n / (k * n_c): the mean weight per sample is 1 (sklearn's "balanced"). Multi-label:
+        n_c counts the images with label c, n the images."""
+        sp = self.splits.get(split)
+        counts = sp.class_counts if sp else ()
+        total, k = (sp.samples if sp and self.multilabel else sum(counts)), len(counts)
         return tuple(total / (k * c) if c else 0.0 for c in counts)
+
+    def pos_weight(self, split: str = "train") -> tuple[float, ...]:
+        """Multi-label: negatives / positives per class, BCEWithLogitsLoss's pos_weight (0 for a class never seen)."""
+        sp = self.splits.get(split)
+        if not sp:
+            return ()
+        return tuple((sp.samples - c) / c if c else 0.0 for c in sp.class_counts)
 
     def to_dict(self) -> dict:
         return {
@@ -147,6 +162,8 @@ class Manifest:
             "mean": list(self.mean),
             "std": list(self.std),
             "class_weights": list(self.class_weights()),
+            "task": self.task,
+            **({"pos_weight": list(self.pos_weight())} if self.multilabel else {}),
             "stats": asdict(self.stats),
             "settings": self.settings,
             "outputs": self.outputs,
@@ -177,7 +194,9 @@ def from_dict(d: dict, root: Path) -> Manifest:
     splits_raw = d.get("splits")
     c.expect(isinstance(splits_raw, dict) and set(splits_raw) <= {"train", "val"}, "splits",
              "an object with 'train' and/or 'val'")
-    splits = {name: c.split(sp, f"splits.{name}", len(classes)) for name, sp in splits_raw.items()}
+    task = d.get("task", "single")
+    c.expect(task in ("single", "multilabel"), "task", "'single' or 'multilabel'", task)
+    splits = {name: c.split(sp, f"splits.{name}", len(classes), task) for name, sp in splits_raw.items()}
     paths = [s.path for sp in splits.values() for s in sp.shards]
     dup = sorted({p for p in paths if paths.count(p) > 1})
     c.expect(not dup, "splits", f"each shard listed once (listed twice: {dup[:3]})")
@@ -188,7 +207,8 @@ def from_dict(d: dict, root: Path) -> Manifest:
         components = Components(**comp)
     except TypeError as e:
         raise ManifestError(f"{root / MANIFEST_NAME}: components: {e}") from None
-    return Manifest(tuple(classes), splits, stats, settings, components, Path(root), c.outputs(d.get("outputs", {})))
+    return Manifest(tuple(classes), splits, stats, settings, components, Path(root), c.outputs(d.get("outputs", {})),
+                    task)
 
 
 _EXT = re.compile(r"[A-Za-z0-9_.;-]{1,32}")
@@ -233,7 +253,7 @@ class _Check:
                          self.integer(s.get("bytes"), f"{where}.bytes", 1024), s["sha256"],
                          self.inside(s.get("index"), f"{where}.index"))
 
-    def split(self, sp, where: str, k: int) -> SplitInfo:
+    def split(self, sp, where: str, k: int, task: str = "single") -> SplitInfo:
         self.expect(isinstance(sp, dict) and isinstance(sp.get("shards"), list), where, "an object with shards", sp)
         shards = tuple(self.shard(s, f"{where}.shards[{i}]") for i, s in enumerate(sp["shards"]))
         counts = sp.get("class_counts")
@@ -241,8 +261,12 @@ class _Check:
                     f"a list of {k} counts (one per class)", counts)
         counts = [self.integer(x, f"{where}.class_counts[{i}]") for i, x in enumerate(counts)]
         total = sum(s.samples for s in shards)
-        self.expect(sum(counts) == total, f"{where}.class_counts", f"counts adding up to the shards' {total} samples",
-                    sum(counts))
+        if task == "multilabel":  # positives per class: each at most the images
+            self.expect(max(counts, default=0) <= total, f"{where}.class_counts",
+                        f"positive counts of at most the shards' {total} samples", max(counts, default=0))
+        else:
+            self.expect(sum(counts) == total, f"{where}.class_counts",
+                        f"counts adding up to the shards' {total} samples", sum(counts))
         return SplitInfo(shards, tuple(counts))
 
     def outputs(self, out) -> dict:

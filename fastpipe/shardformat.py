@@ -171,12 +171,28 @@ def read_member(fh, where: tuple[int, int]) -> bytes:
     return data
 
 
-def encode_label(label: int) -> dict[str, bytes]:
+def encode_label(label: int | tuple[int, ...], num_classes: int | None = None) -> dict[str, bytes]:
+    """A single label: `cls` ASCII decimal and `lbl` int32. A label set (multi-label data): `labels` the class
+    indices comma-separated ("1,3"; empty for none: not `.cls`, which webdataset decodes as one int) and `lbl` a
+    multi-hot record of num_classes bytes (fixed size, so DALI's reader takes it as a UINT8 array)."""
+    if isinstance(label, tuple):
+        hot = np.zeros(num_classes, np.uint8)
+        hot[list(label)] = 1
+        return {"labels": ",".join(map(str, label)).encode(), "lbl": hot.tobytes()}
     return {"cls": str(label).encode(), "lbl": np.int32(label).tobytes()}
 
 
-def decode_label(data: bytes, ext: str) -> int:
-    """A label member's class index; raises ValueError with what was found (callers add the shard and key)."""
+def decode_label(data: bytes, ext: str, multilabel: bool = False) -> int | tuple[int, ...]:
+    """A label member's class index, or for multi-label data the sorted tuple of class indices; raises ValueError
+    with what was found (callers add the shard and key)."""
+    if multilabel:
+        if ext == "lbl":
+            return tuple(int(i) for i in np.flatnonzero(np.frombuffer(data, np.uint8)))
+        text = data.decode("ascii", errors="replace").strip()
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        if len(data) > 16 * MAX_LABEL_BYTES or not all(p.isdigit() for p in parts):
+            raise ValueError(f".{ext} is {text[:30]!r}, not comma-separated class indices")
+        return tuple(sorted({int(p) for p in parts}))
     if ext == "lbl":
         if len(data) != 4:
             raise ValueError(f".lbl holds {len(data)} bytes, expected 4 (int32)")

@@ -308,7 +308,7 @@ def test_an_epoch_never_repeats_a_sample_even_with_a_large_shuffle_buffer(conver
     m = load(converted)
     cfg = LoaderConfig(batch_size=8, image_size=32, shuffle_buffer=5000).resolved()
     shards = ShardSet(m, "train")
-    stream = SampleStream(shards, cfg, Raw(cfg), train_order(shards, cfg, m))
+    stream = SampleStream(shards, cfg, Raw(cfg, m.num_classes), train_order(shards, cfg, m))
     seen = [bytes(img) for batch in stream for img in batch.data]
     assert len(seen) == len(set(seen)) == (m.splits["train"].samples // 8) * 8
 

@@ -49,6 +49,8 @@ class BenchConfig:
     workers: int | str | None = opt(None, "loader workers: a number, auto or probe", sweep=True, parse=parse_workers)
     pin_memory: bool | None = opt(None, "pinned host memory: on, off, auto", sweep=True, parse=parse_onoff)
     channels_last: bool | None = opt(None, "channels_last memory format (default: on CUDA)")
+    augment: str | None = opt(None, "augmentation on the device, as `fastpipe train --augment` (its share of a "
+                                    "step is measured too)")
     steps: int = opt(20, "timed steps per window")
     windows: int = opt(3, "timing windows per measurement (the median is reported)")
     warmup: int = opt(3, "untimed steps before each measurement")
@@ -64,7 +66,7 @@ class BenchConfig:
 
     def model_key(self) -> tuple:
         """What model-only depends on: rows that share it share one measurement."""
-        return self.model, self.device, self.batch_size, self.image_size, self.amp, self.channels_last
+        return self.model, self.device, self.batch_size, self.image_size, self.amp, self.channels_last, self.augment
 
 
 SWEPT = tuple(f.name for f in fields(BenchConfig) if f.metadata.get("sweep"))
@@ -94,7 +96,8 @@ def _trainer(cfg: BenchConfig, num_classes: int) -> Trainer:
 
 def _loader(cfg: BenchConfig, manifest, backend: str):
     lc = LoaderConfig(backend=backend, split="train", batch_size=cfg.batch_size, image_size=cfg.image_size,
-                      device=cfg.device, num_workers=cfg.workers, pin_memory=cfg.pin_memory)
+                      device=cfg.device, num_workers=cfg.workers, pin_memory=cfg.pin_memory,
+                      augment=cfg.augment if backend != "synthetic" else None)
     return make_loader_from(manifest, lc)
 
 
@@ -122,6 +125,30 @@ def model_only(cfg: BenchConfig, manifest, seconds: float | None) -> dict:
     def step():
         trainer.step(x, y, 0, 1, streak)
         return len(y)
+
+    return _measure(cfg, step, seconds)
+
+
+def augment_only(cfg: BenchConfig, manifest, seconds: float | None) -> dict:
+    """The augmentation alone on the device: its ops on a float batch already there, which is what it adds to the
+    shared device step (the uint8 → float conversion is paid with or without it)."""
+    from fastpipe.loaders.augment import DeviceAugment, parse
+
+    device = torch.device(cfg.device)
+    n, size = cfg.batch_size, cfg.image_size
+    x = torch.randint(0, 256, (n, 3, size, size), device=device).float().contiguous(memory_format=torch.channels_last)
+    y = (torch.rand(n, manifest.num_classes, device=device) < 0.3).float() if manifest.multilabel \
+        else torch.randint(0, manifest.num_classes, (n,), device=device)
+    aug = DeviceAugment(parse(cfg.augment), manifest.num_classes, manifest.multilabel, 0.1, 0)
+    s, counter = aug.spec, iter(range(1 << 62))
+
+    def step():
+        g, host = aug.generator(device, (0, next(counter), 0))
+        out = aug.pixels(x, g) if (s.randaug or s.trivialaug or s.jitter) else x
+        out = aug.erase(out, g) if s.erase else out
+        if s.mixing:
+            out, _ = aug.mix(out, y, host)
+        return n
 
     return _measure(cfg, step, seconds)
 
@@ -230,9 +257,9 @@ def run_sweep(cfg: BenchConfig, sweep: dict[str, list] | None = None, log=None) 
     configs = grid(cfg, sweep)
     manifest = load(configs[0].data)
     models = {c.model_key() for c in configs}
-    budget = Budget(configs[0].max_seconds, len(models) + 2 * len(configs))
+    budget = Budget(configs[0].max_seconds, len(models) * (2 if configs[0].augment else 1) + 2 * len(configs))
     log(f"bench: {len(configs)} configuration(s), {budget.describe()}")
-    model_rates, rows = {}, []
+    model_rates, aug_rates, rows = {}, {}, []
     for i, c in enumerate(configs, 1):
         name = f"[{i}/{len(configs)}] {c.backend} workers={c.workers if c.workers is not None else 'auto'} " \
                f"batch {c.batch_size} {c.image_size}px"
@@ -240,6 +267,9 @@ def run_sweep(cfg: BenchConfig, sweep: dict[str, list] | None = None, log=None) 
             log(f"{name}: model only ({c.model}, {c.amp}, synthetic data on {c.device}) ...")
             model_rates[c.model_key()] = model_only(c, manifest, budget.share())
             log(f"  model only: {_fmt(model_rates[c.model_key()])}")
+            if c.augment:
+                aug_rates[c.model_key()] = augment_only(c, manifest, budget.share())
+                log(f"  augmentation alone ({c.augment}): {_fmt(aug_rates[c.model_key()])}")
         try:
             log(f"{name}: loader only, then end to end ...")
             lo, e2e, loader = loader_and_e2e(c, manifest, budget.share())
@@ -253,6 +283,9 @@ def run_sweep(cfg: BenchConfig, sweep: dict[str, list] | None = None, log=None) 
         row = {"config": asdict(c), "loader_workers": getattr(loader, "num_workers", None), "loader_only": lo,
                "model_only": mo, "end_to_end": e2e,
                **verdict(lo["img_per_s"], mo["img_per_s"], e2e["img_per_s"], e2e["data_wait"])}
+        if c.model_key() in aug_rates:  # the share of an end-to-end step the augmentation takes
+            row["augment_only"] = aug_rates[c.model_key()]
+            row["augment_share"] = e2e["img_per_s"] / max(aug_rates[c.model_key()]["img_per_s"], 1e-9)
         row["advice"] = advice(row, manifest)
         rows.append(row)
         del loader

@@ -154,10 +154,12 @@ def _convert_one(path: str) -> images.Encoded | images.Rejected:
 
 # -- main side ---------------------------------------------------------------------------------------
 def _sample_parts(enc: images.Encoded, sample: plan.Sample, classes) -> dict[str, bytes]:
-    meta = {"path": sample.path, "class": classes[sample.label], "label": sample.label,
-            "orig_size": list(enc.orig_size), "size": list(enc.size)}
-    labels = encode_label(sample.label)
-    return {"jpg": enc.jpeg, "cls": labels["cls"], "lbl": labels["lbl"],
+    if isinstance(sample.label, tuple):
+        named = {"classes": [classes[k] for k in sample.label], "labels": list(sample.label)}
+    else:
+        named = {"class": classes[sample.label], "label": sample.label}
+    meta = {"path": sample.path, **named, "orig_size": list(enc.orig_size), "size": list(enc.size)}
+    return {"jpg": enc.jpeg, **encode_label(sample.label, len(classes)),
             "json": json.dumps(meta, sort_keys=True).encode()}
 
 
@@ -192,7 +194,8 @@ class _SplitRun:
             self.writer.write(f"{sample.pos:08d}", _sample_parts(result, sample, classes))
             self.stats = self.stats + Stats(result.size[0] * result.size[1], result.pixel_sum,
                                             result.pixel_sumsq)
-            self.counts[sample.label] += 1
+            for k in sample.label if isinstance(sample.label, tuple) else (sample.label,):
+                self.counts[k] += 1  # multi-label: positives per class
         self.pos += 1
 
     def finish(self) -> None:
@@ -246,20 +249,21 @@ def _convert_split(name, samples, root: Path, run: _SplitRun, classes, pool) -> 
     return len(todo)
 
 
-def _finalize(cfg, classes, progress, early: list[Rejection], fingerprint) -> Manifest:
+def _finalize(cfg, source, progress, early: list[Rejection], fingerprint) -> Manifest:
     """rejected.jsonl, previews, then dataset.json last: a conversion is complete only when every output is, so
     a run stopped in between (a full disk while drawing previews) is finished by the rerun, not declared done."""
     rejected = [r.to_dict() for r in early] + [r for p in progress.values() for r in p.rejected]
     rejected.sort(key=lambda r: (r["path"], r["reason"]))
     write_jsonl_atomic(cfg.out / f"rejected{cfg.suffix}.jsonl", rejected)
     manifest = Manifest(
-        classes=tuple(classes),
+        classes=tuple(source.classes),
         splits={n: SplitInfo(tuple(p.shards), tuple(p.counts)) for n, p in progress.items()},
         stats=progress["train"].stats,
         settings={**cfg.settings(), "fingerprint": fingerprint, "fastpipe": __version__},
-        components=Components(),
+        components=Components(label="labels") if source.multilabel else Components(),
         root=cfg.out,
         outputs={"rejected": f"rejected{cfg.suffix}.jsonl"},
+        task="multilabel" if source.multilabel else "single",
     )
     if cfg.parts == 1:  # a cluster job's previews are drawn at merge time, from all parts
         names = previews.contact_sheets(manifest, cfg.out / "previews", seed=cfg.seed)
@@ -316,8 +320,8 @@ def _run(cfg: ShardConfig, source, summary: Summary, start: float) -> None:
         hashes, early = plan.hash_files(source, workers, cfg.max_file_size)
         clock.lap("hash")
         items, duplicates = plan.deduplicate(list(source.items), hashes)
-        by_split = plan.split_items(items, cfg.val_fraction, cfg.seed)
-        ordered = {n: plan.order_split(by_split[n], source.classes, cfg.seed, salt)
+        by_split = plan.split_items(items, cfg.val_fraction, cfg.seed, source.multilabel)
+        ordered = {n: plan.order_split(by_split[n], source.classes, cfg.seed, salt, source.multilabel)
                    for salt, n in enumerate(SPLITS)}
         mine = {n: [s[i] for i in plan.part_range(len(s), cfg.part, cfg.parts)] for n, s in ordered.items()}
         fingerprint = plan.plan_fingerprint(cfg.settings(), mine, hashes)
@@ -334,7 +338,7 @@ def _run(cfg: ShardConfig, source, summary: Summary, start: float) -> None:
         clock.lap("convert")
         # Refusals found before any decoding are recorded once, by part 0, for a cluster job.
         early_all = list(source.rejections) + early + duplicates if cfg.part == 0 else []
-        _finalize(cfg, source.classes, progress, early_all, fingerprint)
+        _finalize(cfg, source, progress, early_all, fingerprint)
         journal.remove()
         clock.lap("finish")
     finally:

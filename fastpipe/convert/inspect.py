@@ -38,8 +38,10 @@ def _summary(m: Manifest) -> list[str]:
         size = sum(s.bytes for s in sp.shards) / 1e6
         lines.append(f"  {name:5s} {sp.samples:7d} samples in {len(sp.shards)} shards, {size:.1f} MB")
     train = m.splits.get("train")
+    if m.multilabel:
+        lines.append("  multi-label: the counts are images carrying each label; 'weight' is BCE's pos_weight")
     if train and train.samples:
-        weights = m.class_weights()
+        weights = m.pos_weight() if m.multilabel else m.class_weights()
         lines.append(f"  {'class':24s} {'train':>7s} {'val':>6s} {'weight':>7s}")
         val = m.splits.get("val")
         for i, c in enumerate(m.classes):
@@ -63,9 +65,10 @@ def _check_sample(m: Manifest, fh, parts: dict) -> tuple[int | None, str | None]
     label_ext = m.components.label_bin or m.components.label
     label = None
     try:
-        label = decode_label(read_member(fh, parts[label_ext]), label_ext)
-        if not 0 <= label < m.num_classes:
-            return None, f"label {label} is outside the {m.num_classes} classes"
+        label = decode_label(read_member(fh, parts[label_ext]), label_ext, m.multilabel)
+        bad = [k for k in (label if m.multilabel else (label,)) if not 0 <= k < m.num_classes]
+        if bad:
+            return None, f"label {bad[0]} is outside the {m.num_classes} classes"
         Image.open(io.BytesIO(read_member(fh, parts[m.components.image]))).load()
     except Exception as e:  # any failure here is a finding to report, not a crash
         return label, f"{type(e).__name__}: {e}"
@@ -142,7 +145,7 @@ def repair_indexes(m: Manifest, bad: list[dict]) -> list[str]:
                     s = replace(s, samples=len(kept), sha256=sha256_file(m.root / s.path))
                 shards.append(s)
             mine = [b for b in bad if b["split"] == name]
-            if any(b["label"] is None or not 0 <= b["label"] < len(counts) for b in mine):
+            if m.multilabel or any(b["label"] is None or not 0 <= b["label"] < len(counts) for b in mine):
                 counts = _recount(m, shards)  # a label we could not read: count the kept samples again
             else:
                 for b in mine:
@@ -162,7 +165,9 @@ def _recount(m: Manifest, shards) -> list[int]:
     for s in shards:
         with open(m.root / s.path, "rb") as fh:
             for _key, parts in read_index(m.root / s.index, s.bytes):
-                counts[decode_label(read_member(fh, parts[label_ext]), label_ext)] += 1
+                label = decode_label(read_member(fh, parts[label_ext]), label_ext, m.multilabel)
+                for k in label if m.multilabel else (label,):
+                    counts[k] += 1
     return counts
 
 

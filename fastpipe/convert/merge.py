@@ -52,7 +52,7 @@ def _merge(out: Path) -> Manifest:
     settings = {k: v for k, v in parts[0].settings.items() if k not in ("part", "fingerprint")}
     settings["fingerprint"] = "merged:" + ",".join(m.settings["fingerprint"][:16] for m in parts)
     manifest = Manifest(parts[0].classes, splits, stats, settings, parts[0].components, out,
-                        {"rejected": "rejected.jsonl"})
+                        {"rejected": "rejected.jsonl"}, parts[0].task)
     rejected = [json.loads(line) for p in sorted(out.glob("rejected.part-*-of-*.jsonl"))
                 for line in p.read_text().splitlines()]
     write_jsonl_atomic(out / "rejected.jsonl", sorted(rejected, key=lambda r: (r["path"], r["reason"])))

@@ -24,7 +24,7 @@ from fastpipe.util import FileTooLarge, NotRegularFile, read_regular
 class Sample:
     pos: int  # position in its split's shuffled order: the sample's key and its place in the shards
     path: str  # relative to the source root
-    label: int
+    label: int | tuple[int, ...]  # a class index, or the sorted class indices of a multi-label sample
 
 
 def _hash_one(path: str, limit: int) -> tuple[str, int] | Rejection:
@@ -84,14 +84,28 @@ def deduplicate(items: list[Item], hashes: dict[str, str]) -> tuple[list[Item], 
     return keep, rejected
 
 
-def split_items(items: list[Item], val_fraction: float, seed: int) -> dict[str, list[Item]]:
+def _stratum(items: list[Item], multilabel: bool):
+    """What the split is stratified by: the class; for a label set, its rarest label (the usual heuristic: exact
+    label sets are often too small to split, and the rare labels are the ones a val split must not lose)."""
+    if not multilabel:
+        return lambda i: i.label
+    freq: dict[str, int] = defaultdict(int)
+    for i in items:
+        for n in i.label.split(";"):
+            freq[n] += 1
+    return lambda i: min(i.label.split(";"), key=lambda n: (freq[n], n))
+
+
+def split_items(items: list[Item], val_fraction: float, seed: int,
+                multilabel: bool = False) -> dict[str, list[Item]]:
     """Source-given split if there is one, else stratified per class: round(n * fraction) to val,
     at least one when a class has two or more files and the fraction is above zero."""
     if any(i.split for i in items):
         return {s: [i for i in items if i.split == s] for s in ("train", "val")}
     by_class: dict[str, list[Item]] = defaultdict(list)
+    stratum = _stratum(items, multilabel)
     for i in items:
-        by_class[i.label].append(i)
+        by_class[stratum(i)].append(i)
     rng = np.random.default_rng(seed)
     out: dict[str, list[Item]] = {"train": [], "val": []}
     for label in sorted(by_class):
@@ -105,11 +119,18 @@ def split_items(items: list[Item], val_fraction: float, seed: int) -> dict[str, 
     return out
 
 
-def order_split(items: list[Item], classes: tuple[str, ...], seed: int, salt: int) -> list[Sample]:
+def order_split(items: list[Item], classes: tuple[str, ...], seed: int, salt: int,
+                multilabel: bool = False) -> list[Sample]:
     """Global seeded shuffle, so that every shard mixes classes."""
     index = {c: k for k, c in enumerate(classes)}
+
+    def label(item: Item):
+        if multilabel:
+            return tuple(sorted(index[n] for n in item.label.split(";") if n))
+        return index[item.label]
+
     perm = np.random.default_rng([seed, salt]).permutation(len(items))
-    return [Sample(pos, items[j].path, index[items[j].label]) for pos, j in enumerate(perm)]
+    return [Sample(pos, items[j].path, label(items[j])) for pos, j in enumerate(perm)]
 
 
 def part_range(n: int, part: int, parts: int) -> range:

@@ -45,8 +45,9 @@ def _locate_by_class(manifest: Manifest) -> dict[int, list[tuple[Path, tuple[int
                 for _key, sample in read_index(manifest.root / shard.index, shard.bytes):
                     if comp.image in sample and label_ext in sample:
                         with contextlib.suppress(ValueError):  # inspect --verify reports a bad label
-                            found[decode_label(read_member(fh, sample[label_ext]), label_ext)].append(
-                                (tar, sample[comp.image]))
+                            label = decode_label(read_member(fh, sample[label_ext]), label_ext, manifest.multilabel)
+                            for k in label if manifest.multilabel else (label,):  # a label set: every class
+                                found[k].append((tar, sample[comp.image]))
     return found
 
 

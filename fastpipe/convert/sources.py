@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ class Source:
     classes: tuple[str, ...]
     ignored: int = 0  # hidden and system files
     notes: tuple[str, ...] = ()  # what the summary should tell (header row, numeric labels, ...)
+    multilabel: bool = False  # items' labels are label sets, "a;b" (sorted names joined by ';', "" for none)
 
 
 def _is_hidden(name: str) -> bool:
@@ -197,7 +199,8 @@ def _is_header(row: list[str], root: Path) -> bool:
     return bool(words & HEADER_WORDS) or ("/" not in first and "\\" not in first and "." not in first)
 
 
-def _read_rows(path: Path) -> tuple[list[tuple[int, list[str]]], str | None]:
+def _read_rows(path: Path) -> tuple[list[tuple[int, list[str]]], list[str] | None]:
+    """(line number, cells) of every non-empty row, and the header's cells when the first row is one."""
     try:
         text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
@@ -208,17 +211,31 @@ def _read_rows(path: Path) -> tuple[list[tuple[int, list[str]]], str | None]:
         dialect = csv.excel
     rows = [(n, r) for n, r in enumerate(csv.reader(text.splitlines(), dialect), start=1)
             if any(c.strip() for c in r)]
-    header = None
     if rows and _is_header(rows[0][1], path.parent):
-        header = ",".join(rows[0][1])
-        rows = rows[1:]
-    return rows, header
+        return rows[1:], [c.strip() for c in rows[0][1]]
+    return rows, None
 
 
-def _check_row(root: Path, row: list[str], lineno: int) -> Item | Rejection:
-    if len(row) < 2 or not row[0].strip() or not row[1].strip():
+_SET_SEPARATORS = re.compile(r"[;|]")
+
+
+def _label_set(text: str) -> str:
+    """'scab; rust|scab' → 'rust;scab': the canonical form of a label set."""
+    return ";".join(sorted({p.strip() for p in _SET_SEPARATORS.split(text) if p.strip()}))
+
+
+def _multi_hot_columns(header: list[str] | None, rows) -> list[str] | None:
+    """The class names when the list has one 0/1 column per class after the path (a header names them)."""
+    if not header or len(header) < 3:
+        return None
+    values = {c.strip() for _, r in rows for c in r[1:]}
+    return header[1:] if values <= {"0", "1", ""} else None
+
+
+def _check_row(root: Path, row: list[str], lineno: int, multilabel: bool = False) -> Item | Rejection:
+    if len(row) < 2 or not row[0].strip() or (not row[1].strip() and not multilabel):
         return Rejection(f"<line {lineno}>", "bad-row", f"expected 'path,label', got {row!r}")
-    raw, label = row[0].strip(), row[1].strip()
+    raw, label = row[0].strip(), _label_set(row[1]) if multilabel else row[1].strip()
     full = Path(raw) if os.path.isabs(raw) else root / raw
     try:
         rel = full.resolve().relative_to(root.resolve())
@@ -233,19 +250,35 @@ def _check_row(root: Path, row: list[str], lineno: int) -> Item | Rejection:
     return Item(rel.as_posix(), label, None)
 
 
+def _as_label_sets(rows, columns: list[str]):
+    """Multi-hot rows (path, 0/1 per class) → (path, 'a;b') rows."""
+    return [(n, [r[0], ";".join(c for c, v in zip(columns, r[1:]) if v.strip() == "1")]) for n, r in rows]
+
+
 def from_list(list_file: Path) -> Source:
-    """A CSV/TXT of path,label rows (header optional); paths relative to the list's own folder."""
+    """A CSV/TXT of path,label rows (header optional); paths relative to the list's own folder.
+
+    Multi-label lists: a label set per row (`path,"rust;scab"`, ';' or '|' between labels, empty for none), or
+    one 0/1 column per class after the path, named by a header (`path,rust,scab`)."""
     root = list_file.parent
     rows, header = _read_rows(list_file)
+    columns = _multi_hot_columns(header, rows)
+    if columns:
+        rows = _as_label_sets(rows, columns)
+    multilabel = bool(columns) or any(len(r) > 1 and _SET_SEPARATORS.search(r[1]) for _, r in rows)
     items, rejections = [], []
     for lineno, row in rows:
-        checked = _check_row(root, row, lineno)
+        checked = _check_row(root, row, lineno, multilabel)
         (items if isinstance(checked, Item) else rejections).append(checked)
     if not items:
         raise DataError(f"{list_file}: no usable 'path,label' rows ({len(rejections)} rejected)")
-    classes = class_order(i.label for i in items)
-    notes = ((f"header row skipped: {header!r}",) if header else ()) + _numeric_note(classes)
-    return Source(root, tuple(items), tuple(rejections), classes, 0, notes)
+    names = {n for i in items for n in i.label.split(";") if n} if multilabel else {i.label for i in items}
+    classes = tuple(columns) if columns else class_order(names)
+    notes = ((f"header row skipped: {','.join(header)!r}",) if header else ()) + _numeric_note(classes)
+    if multilabel:
+        empty = sum(1 for i in items if not i.label)
+        notes += (f"multi-label list: {len(classes)} labels, {empty} images with none",)
+    return Source(root, tuple(items), tuple(rejections), classes, 0, notes, multilabel)
 
 
 def discover(src: str | os.PathLike, exclude: Path | None = None) -> Source:

@@ -45,8 +45,10 @@ class LoaderStats:
 class DeviceStep:
     """uint8 NHWC host batch → NCHW channels_last on the device; normalised float or uint8."""
 
-    def __init__(self, device: torch.device, mean, std, normalize: bool):
+    def __init__(self, device: torch.device, mean, std, normalize: bool, augment=None):
         self.device, self.normalize = device, normalize
+        self.augment = augment  # a DeviceAugment (train batches), or None
+        self.gen: torch.Generator | None = None  # the current batch's augmentation generator
         # Scaled by 255 so that the uint8 input is normalised in one subtract and one divide. A channel that never
         # varies (std 0: a synthetic set, one grey image) would divide by zero: at least one grey level.
         self.mean = torch.tensor(mean, device=device, dtype=torch.float32).view(1, 3, 1, 1) * 255
@@ -57,14 +59,24 @@ class DeviceStep:
         return self.finish(x)
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:
-        """NCHW uint8 or float 0..255 on the device → the contract's output."""
+        """NCHW uint8 or float 0..255 on the device → the contract's output (augmented, for a train batch)."""
         x = x.contiguous(memory_format=torch.channels_last)
+        aug, g = self.augment, self.gen
+        if aug is not None and g is not None and (aug.spec.randaug or aug.spec.trivialaug or aug.spec.jitter):
+            x = aug.pixels(x.float(), g)
         if not self.normalize:
+            if aug is not None and g is not None and aug.spec.erase:
+                x = aug.erase((x.float() - 127.5) / 64, g) * 64 + 127.5  # noise spread as on normalised images
             return x if x.dtype == torch.uint8 else x.round_().clamp_(0, 255).to(torch.uint8)
-        return x.float().sub_(self.mean).div_(self.std)
+        x = x.float().sub_(self.mean).div_(self.std)
+        if aug is not None and g is not None and aug.spec.erase:
+            x = aug.erase(x, g)
+        return x
 
     def labels(self, y: torch.Tensor) -> torch.Tensor:
-        return y.to(self.device, non_blocking=True).long()
+        """Class indices (int64), or multi-hot float rows for multi-label data."""
+        y = y.to(self.device, non_blocking=True)
+        return y if y.is_floating_point() else y.long()
 
 
 def _warn_upscaling(manifest: Manifest, cfg: LoaderConfig) -> None:
@@ -94,10 +106,19 @@ class Loader:
         self._resume: int | None = None  # a loaded position: where the next iteration starts
         self._complete = False  # the last iteration ran to the end of its epoch
         self.stats = LoaderStats()
-        self.step = DeviceStep(self.device, manifest.mean, manifest.std, self.cfg.normalize)
+        self.step = DeviceStep(self.device, manifest.mean, manifest.std, self.cfg.normalize, self._augment(manifest))
+        self._start = self._batch_index = 0  # where this iteration started; batches moved since (augmentation keys)
         self.shards = None  # the backends that read shards set a ShardSet (keys, sources)
         if self.name != "synthetic":
             _warn_upscaling(manifest, self.cfg)
+
+    def _augment(self, manifest: Manifest):
+        if not self.cfg.augment or self.cfg.split != "train":
+            return None
+        from fastpipe.loaders.augment import DeviceAugment, parse
+
+        return DeviceAugment(parse(self.cfg.augment), manifest.num_classes, manifest.multilabel,
+                             self.cfg.label_smoothing, self.cfg.seed)
 
     def _refuse_unsupported(self) -> None:
         default = LoaderConfig()
@@ -180,7 +201,15 @@ class Loader:
     def _moved(self, batch: HostBatch):
         if batch.error:
             raise DataError(batch.error)
+        aug, host = self.step.augment, None
+        if aug is not None:  # the draws of this batch: from (epoch, its position in the epoch, rank) only
+            key = (self.epoch, self._start + self._batch_index * self.cfg.world_size * self.cfg.batch_size,
+                   self.cfg.rank)
+            self.step.gen, host = aug.generator(self.device, key)
+        self._batch_index += 1
         x, y = self._to_device(batch)  # may find more undecodable samples (nvjpeg)
+        if aug is not None and aug.spec.mixing:
+            x, y = aug.mix(x, y, host)
         for s in batch.skipped:
             warnings.warn(f"skipping {s}", stacklevel=4)
         keys = self.keys(batch.ids) if self.cfg.with_keys else None
@@ -190,6 +219,7 @@ class Loader:
     def __iter__(self) -> Iterator[tuple]:
         stats = self.stats = LoaderStats(epoch=self.epoch)
         self.position, self._resume, self._complete = self._resume or 0, None, False
+        self._start, self._batch_index = self.position, 0
         expected, start = self._expected(), time.perf_counter()
         batches = self._prefetched() if self.device.type == "cuda" else map(self._moved, self._host_batches())
         it = iter(batches)
@@ -200,6 +230,9 @@ class Loader:
                 x, y, keys, skipped, why = next(it)
             except StopIteration:
                 break
+            except BaseException:
+                self.close()  # an abandoned epoch: worker processes are not left to the garbage collector
+                raise
             stats.wait_s += time.perf_counter() - t
             stats.batches += 1
             stats.samples += len(y)
@@ -214,6 +247,9 @@ class Loader:
             raise RuntimeError(f"{self.name} loader yielded {stats.batches} batches, expected {expected}: "
                                f"a bug in fastpipe's epoch rule, please report it")
         self._complete = True
+
+    def close(self) -> None:
+        """Release worker processes and pipelines now; the next iteration starts them again."""
 
     def _prefetched(self) -> Iterator[tuple]:
         """Copy and normalise batch i+1 on a side stream while the caller computes on batch i."""

@@ -37,6 +37,9 @@ class LoaderConfig:
     # until the next one is requested (DALI's rule), and buffers are reused instead of allocated per batch.
     reuse_output: bool = False
     with_keys: bool = False  # also yield each sample's SampleKey (shard, key, source file), for tracing bad data
+    # train: augmentation on the device (augment.py), e.g. "randaug:2:9,mixup:0.2,cutmix:1.0"; val never augments
+    augment: str | None = None
+    label_smoothing: float = 0.0  # folded into the soft targets when augment mixes (mixup/cutmix)
 
     def resolved(self) -> LoaderConfig:
         """Fill the None fields from the running process (device, distributed rank)."""
@@ -64,6 +67,10 @@ class LoaderConfig:
             raise ConfigError(f"batch_size={self.batch_size}, image_size={self.image_size}: need >= 1 and >= 8")
         if self.world_size is not None and not 0 <= (self.rank or 0) < self.world_size:
             raise ConfigError(f"rank={self.rank} with world_size={self.world_size}: need 0 <= rank < world_size")
+        if self.augment:
+            from fastpipe.loaders.augment import parse
+
+            parse(self.augment)  # refused here, with the valid forms, before anything is built
         if self.num_workers is not None and self.num_workers != "probe" and (
                 not isinstance(self.num_workers, int) or self.num_workers < 0):
             raise ConfigError(f"num_workers={self.num_workers!r}: use a count >= 0, None (cores per device less "

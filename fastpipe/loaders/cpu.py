@@ -19,7 +19,7 @@ class TorchLoader(StreamLoader):
         self._held = -1  # the slot of the buffer the caller holds (reuse_output)
         self.buffers = BufferPool(self.num_workers, self.prefetch + 2 if self.recycle else 0, self.cfg.batch_size,
                                   self.cfg.image_size)
-        return CpuDecode(self.cfg, self.buffers)
+        return CpuDecode(self.cfg, self.num_classes, self.manifest.multilabel, self.buffers)
 
     def batch_bytes(self) -> int:
         return self.cfg.batch_size * self.cfg.image_size**2 * 3

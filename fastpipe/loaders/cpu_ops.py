@@ -30,16 +30,8 @@ except ImportError:  # the Pillow path does everything, slower
 
 
 def one_thread(_worker_id: int = 0) -> None:
-    """DataLoader worker_init_fn: one loader worker = one core, so OpenCV's own thread pool would oversubscribe.
-    Set in the workers only; the user's process keeps its OpenCV settings.
-
-    Workers also ignore SIGINT and SIGTERM: Ctrl-C in a terminal and torchrun's shutdown signal the whole process
-    group, and a worker dying of it would fail the training step the main process is finishing before it saves
-    a checkpoint. The main process ends its workers itself (and they exit when it dies)."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    """In a loader worker: one worker = one core, so OpenCV's own thread pool would oversubscribe. Set in the
+    workers only; the user's process keeps its OpenCV settings."""
     if cv2 is not None:
         cv2.setNumThreads(1)
 

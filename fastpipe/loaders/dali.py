@@ -78,7 +78,11 @@ class _Feed:
                 self.empty += 1
                 continue
             self.pending.append(batch.ids)
-            yield batch.data, [label.reshape(1).numpy().astype("int32") for label in batch.labels]
+            # Labels as DALI takes them: an int32 per sample, or a multi-hot uint8 row for multi-label data.
+            if self.loader.manifest.multilabel:
+                yield batch.data, [row.numpy().astype("uint8") for row in batch.labels]
+            else:
+                yield batch.data, [label.reshape(1).numpy().astype("int32") for label in batch.labels]
 
 
 def _first_line(e: Exception) -> str:
@@ -111,7 +115,8 @@ class DaliLoader(Loader):
         super().__init__(manifest, cfg)
         self.shards = ShardSet(manifest, self.cfg.split)
         order = train_order(self.shards, self.cfg, manifest) if self.cfg.split == "train" else None
-        self.stream = SampleStream(self.shards, self.cfg, Raw(self.cfg), order)
+        self.stream = SampleStream(self.shards, self.cfg, Raw(self.cfg, self.num_classes, manifest.multilabel),
+                                   order)
         self.gpu = self.device.type == "cuda"
         self.threads = self.cfg.num_workers if isinstance(self.cfg.num_workers, int) and self.cfg.num_workers \
             else usable_cores()
@@ -123,21 +128,21 @@ class DaliLoader(Loader):
     def _build(self):
         from nvidia.dali import fn, pipeline_def, types
 
-        feed = _Feed(self)
+        feed, multi = _Feed(self), self.manifest.multilabel
 
         @pipeline_def(batch_size=self.cfg.batch_size, num_threads=self.threads,
                       device_id=(self.device.index or 0) if self.gpu else None, seed=self.cfg.seed,
                       prefetch_queue_depth=2)
         def pipe():
             jpegs, labels = fn.external_source(source=feed, num_outputs=2, batch=True, cycle="raise",
-                                               dtype=[types.UINT8, types.INT32])
+                                               dtype=[types.UINT8, types.UINT8 if multi else types.INT32])
             return _graph(jpegs, self.cfg, self.gpu), labels
 
         p = pipe()
         p.build()
         return p, feed
 
-    def _start(self):
+    def _position_pipeline(self):
         """A pipeline positioned at this epoch: reset when the last epoch ran to its end, else built anew (a
         pipeline stopped half-way holds batches read ahead from the old position)."""
         self.stream.epoch[0], self.stream.position[0] = self.epoch, self.position
@@ -152,7 +157,7 @@ class DaliLoader(Loader):
     def _host_batches(self):
         from nvidia.dali.plugin.pytorch import feed_ndarray
 
-        self._start()
+        self._position_pipeline()
         while True:
             try:
                 images, labels = self._pipe.run()
@@ -169,7 +174,8 @@ class DaliLoader(Loader):
             t = images.as_tensor()
             out = torch.empty(t.shape(), dtype=torch.uint8, device=self.device if self.gpu else "cpu")
             feed_ndarray(t, out, cuda_stream=torch.cuda.current_stream(self.device) if self.gpu else None)
-            y = torch.from_numpy(labels.as_array().reshape(-1).astype("int64"))
+            y = labels.as_array()
+            y = torch.from_numpy(y.astype("float32") if self.manifest.multilabel else y.reshape(-1).astype("int64"))
             yield HostBatch(y, self._feed.pending.popleft(), images=out)
 
     def _explain(self, e: RuntimeError) -> DataError:

@@ -80,12 +80,12 @@ def blocks(counts: list[int], order: list[int], block: int) -> list[list[int]]:
 class TrainOrder:
     """The epoch's sample sequence (global sample ids: positions in the shards concatenated in manifest order)."""
 
-    def __init__(self, counts: list[int], seed: int, block: int, weights=None, labels=None):
+    def __init__(self, counts: list[int], seed: int, block: int, sample_weights=None):
         self.counts, self.seed, self.block = list(counts), seed, max(1, block)
         self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
         self.total = int(self.starts[-1])
-        # Balance: each sample's class weight (labels read once at construction).
-        self.sample_weights = None if weights is None else np.asarray(weights, dtype=np.float64)[labels]
+        # Balance: each sample's weight (from its class weight; read once at construction).
+        self.sample_weights = None if sample_weights is None else np.asarray(sample_weights, dtype=np.float64)
 
     def _lap(self, epoch: int, lap: int) -> np.ndarray:
         parts = []

@@ -43,7 +43,7 @@ class NvjpegLoader(StreamLoader):
         self.decoder_name, self._decode = _decoder()
 
     def make_prepare(self):
-        return EncodedBytes(self.cfg)
+        return EncodedBytes(self.cfg, self.num_classes, self.manifest.multilabel)
 
     def describe(self) -> dict:
         return {**super().describe(), "decoder": self.decoder_name}

@@ -29,13 +29,27 @@ class SampleError(DataError):
     """A sample that can't be decoded (with on_error="raise"), or a batch none of whose samples decode."""
 
 
+def label_tensor(labels: list, num_classes: int, multilabel: bool) -> torch.Tensor:
+    """int64 class indices, or for multi-label data float32 multi-hot rows (N, K)."""
+    if not multilabel:
+        return torch.tensor(labels, dtype=torch.int64)
+    hot = torch.zeros((len(labels), num_classes), dtype=torch.float32)
+    for row, ks in enumerate(labels):
+        hot[row, list(ks)] = 1.0
+    return hot
+
+
 def _failure(s: RawSample, e: Exception) -> str:
     return f"sample {s.key} in shard {s.shard}: {type(e).__name__}: {str(e)[:200]}"
 
 
 class _Prepare:
-    def __init__(self, cfg: LoaderConfig):
+    def __init__(self, cfg: LoaderConfig, num_classes: int, multilabel: bool = False):
         self.cfg, self.train = cfg, cfg.split == "train"
+        self.num_classes, self.multilabel = num_classes, multilabel
+
+    def labels(self, samples: list[RawSample]) -> torch.Tensor:
+        return label_tensor([s.label for s in samples], self.num_classes, self.multilabel)
 
     def rng(self, epoch: int, position: int) -> SampleRng:
         return SampleRng(self.cfg.seed, epoch, position)
@@ -56,8 +70,8 @@ class _Prepare:
 
 
 class CpuDecode(_Prepare):
-    def __init__(self, cfg: LoaderConfig, buffers: BufferPool):
-        super().__init__(cfg)
+    def __init__(self, cfg: LoaderConfig, num_classes: int, multilabel: bool, buffers: BufferPool):
+        super().__init__(cfg, num_classes, multilabel)
         self.buffers = buffers
 
     def __call__(self, samples: list[RawSample], positions, epoch: int) -> HostBatch:
@@ -78,9 +92,9 @@ class CpuDecode(_Prepare):
         pick = self._fill(good, len(samples), skipped[-1] if skipped else "") if self.train else good
         if pick != list(range(len(samples))):
             buffer[: len(pick)] = buffer[pick].clone()
-        labels = torch.tensor([samples[i].label for i in pick], dtype=torch.int64)
         ids = torch.tensor([samples[i].id for i in pick], dtype=torch.int64)
-        return HostBatch(labels, ids, images=buffer[: len(pick)], skipped=skipped, slot=slot)
+        return HostBatch(self.labels([samples[i] for i in pick]), ids, images=buffer[: len(pick)], skipped=skipped,
+                         slot=slot)
 
 
 class EncodedBytes(_Prepare):
@@ -102,8 +116,7 @@ class EncodedBytes(_Prepare):
         if self.train and len(keep) < len(samples):  # keep the batch shape with copies of good samples
             pick = self._fill(list(range(len(keep))), len(samples), skipped[-1] if skipped else "")
             keep, boxes, flips = [keep[i] for i in pick], [boxes[i] for i in pick], [flips[i] for i in pick]
-        return HostBatch(torch.tensor([s.label for s in keep], dtype=torch.int64),
-                         torch.tensor([s.id for s in keep], dtype=torch.int64),
+        return HostBatch(self.labels(keep), torch.tensor([s.id for s in keep], dtype=torch.int64),
                          data=[torch.frombuffer(bytearray(s.image), dtype=torch.uint8) for s in keep],
                          boxes=torch.tensor(boxes, dtype=torch.int64).reshape(-1, 4),
                          flips=torch.tensor(flips, dtype=torch.bool), skipped=skipped)
@@ -111,6 +124,5 @@ class EncodedBytes(_Prepare):
 
 class Raw(_Prepare):
     def __call__(self, samples: list[RawSample], positions, epoch: int) -> HostBatch:
-        return HostBatch(torch.tensor([s.label for s in samples], dtype=torch.int64),
-                         torch.tensor([s.id for s in samples], dtype=torch.int64),
+        return HostBatch(self.labels(samples), torch.tensor([s.id for s in samples], dtype=torch.int64),
                          data=[np.frombuffer(s.image, dtype=np.uint8) for s in samples])

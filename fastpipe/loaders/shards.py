@@ -31,7 +31,7 @@ class RawSample:
     key: str
     shard: str
     image: bytes
-    label: int
+    label: int | tuple[int, ...]  # a class index, or a multi-label sample's class indices
 
 
 class ShardSet:
@@ -48,6 +48,7 @@ class ShardSet:
         self.label_ext = manifest.components.label_bin or manifest.components.label
         self.meta_ext = manifest.components.meta
         self.num_classes = manifest.num_classes
+        self.multilabel = manifest.multilabel
         n = self.total
         self.offsets = np.zeros((n, 3), np.int64)  # image, label, meta (-1: none)
         self.sizes = np.zeros((n, 3), np.int64)
@@ -117,23 +118,27 @@ class ShardSet:
         first = int(self.starts[piece.shard]) + piece.start
         return [self.sample(i, piece.shard) for i in range(first, first + piece.count)]
 
-    def label(self, i: int, shard: int, data: bytes) -> int:
+    def label(self, i: int, shard: int, data: bytes) -> int | tuple[int, ...]:
         try:
-            label = decode_label(data, self.label_ext)
+            label = decode_label(data, self.label_ext, self.multilabel)
         except ValueError as e:
             raise ShardError(f"shard {self.paths[shard]}, sample {self.keys[i]!r}: {e}") from None
-        if not 0 <= label < self.num_classes:
-            raise ShardError(f"shard {self.paths[shard]}, sample {self.keys[i]!r}: label {label} is outside the "
+        bad = [k for k in (label if self.multilabel else (label,)) if not 0 <= k < self.num_classes]
+        if bad:
+            raise ShardError(f"shard {self.paths[shard]}, sample {self.keys[i]!r}: label {bad[0]} is outside the "
                              f"{self.num_classes} classes of dataset.json; `fastpipe inspect --verify` lists every "
                              f"such sample")
         return label
 
-    def labels(self) -> np.ndarray:
-        """Every sample's label (for class-balanced sampling), read once."""
-        out = np.empty(self.total, np.int64)
+    def sample_weights(self, class_weights) -> np.ndarray:
+        """Each sample's weight for class-balanced sampling, from its label(s) read once: the class weight, or for
+        a label set its rarest label's (1 for an image with no label)."""
+        w = np.asarray(class_weights, dtype=np.float64)
+        out = np.empty(self.total, np.float64)
         for s in range(len(self.paths)):
             for i in range(int(self.starts[s]), int(self.starts[s + 1])):
-                out[i] = self.label(i, s, self._bytes(s, int(self.offsets[i, 1]), int(self.sizes[i, 1])))
+                label = self.label(i, s, self._bytes(s, int(self.offsets[i, 1]), int(self.sizes[i, 1])))
+                out[i] = (max((w[k] for k in label), default=1.0) if self.multilabel else w[label])
         return out
 
     def source(self, i: int) -> str | None:

@@ -8,9 +8,11 @@ StreamLoader is the base of the backends whose host batches come from it in Data
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import warnings
 import weakref
+from functools import partial
 
 import numpy as np
 import torch
@@ -28,7 +30,7 @@ from fastpipe.manifest import Manifest
 
 def train_order(shards: ShardSet, cfg: LoaderConfig, manifest: Manifest) -> TrainOrder:
     if cfg.balance:
-        return TrainOrder(shards.counts, cfg.seed, cfg.shuffle_buffer, manifest.class_weights(), shards.labels())
+        return TrainOrder(shards.counts, cfg.seed, cfg.shuffle_buffer, shards.sample_weights(manifest.class_weights()))
     return TrainOrder(shards.counts, cfg.seed, cfg.shuffle_buffer)
 
 
@@ -80,14 +82,37 @@ def _worker_context():
     return ctx
 
 
+def _worker_init(worker_id: int, main_pid: int) -> None:
+    """DataLoader worker_init_fn: one OpenCV thread, and signals obeyed only from the process that owns us.
+
+    Ctrl-C in a terminal and the SIGTERM of torchrun, Slurm or a `kill -- -PGID` reach the whole process group;
+    a worker dying of it would fail the step the main process is finishing before it saves its checkpoint. So
+    SIGINT is ignored, and SIGTERM is taken by a thread that ends the worker only when the main process sent it
+    (DataLoader's and multiprocessing's own fallback when a worker does not stop in time: ignoring that one hung
+    the interpreter's exit). Workers still exit when the main process dies (DataLoader's watchdog)."""
+    import signal
+    import threading
+
+    cpu_ops.one_thread(worker_id)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not hasattr(signal, "sigwaitinfo"):  # macOS: SIGTERM keeps its default action
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # inherited by every thread started from here
+
+    def obey():
+        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != main_pid:
+            pass
+        os._exit(0)
+
+    threading.Thread(target=obey, name="fastpipe-sigterm", daemon=True).start()
+
+
 def _stop_workers(ref) -> None:
-    """At interpreter exit, before multiprocessing's own exit handler: that one ends daemon workers with SIGTERM,
-    which ours ignore (cpu_ops.one_thread), and would then wait for them forever. Ending them through DataLoader's
-    own shutdown (an event and a sentinel) needs no signal."""
+    """At interpreter exit, before multiprocessing's own exit handler (which signals workers and waits for them):
+    DataLoader's own shutdown (an event and a sentinel) ends them at once."""
     loader = ref()
-    it = getattr(getattr(loader, "dataloader", None), "_iterator", None)
-    if it is not None and hasattr(it, "_shutdown_workers"):
-        it._shutdown_workers()
+    if loader is not None:
+        loader.close()
 
 
 class StreamLoader(Loader):
@@ -104,12 +129,22 @@ class StreamLoader(Loader):
         self.dataloader = DataLoader(
             self.dataset, batch_size=None, num_workers=w, pin_memory=self.cfg.pin_memory,
             persistent_workers=w > 0, prefetch_factor=self.prefetch if w > 0 else None,
-            multiprocessing_context=_worker_context() if w > 0 else None, worker_init_fn=cpu_ops.one_thread)
+            multiprocessing_context=_worker_context() if w > 0 else None,
+            worker_init_fn=partial(_worker_init, main_pid=os.getpid()))
         if w > 0:
             atexit.register(_stop_workers, weakref.ref(self))
 
     def make_prepare(self):
         raise NotImplementedError
+
+    def close(self) -> None:
+        """End the worker processes now (they start again on the next iteration). Also called when an epoch is
+        abandoned by an exception: otherwise a traceback kept in a reference cycle (pytest, a notebook) keeps the
+        workers alive until the garbage collector finds it, which then cannot stop them cleanly."""
+        it = getattr(self.dataloader, "_iterator", None)
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+        self.dataloader._iterator = None
 
     def batch_bytes(self) -> int:
         """Bytes of one host batch (for fitting the workers' queues into shared memory)."""

@@ -29,7 +29,9 @@ class TrainConfig:
     nesterov: bool = opt(True, "Nesterov momentum (SGD)")
     weight_decay: float = opt(5e-5, "weight decay (not on norms and biases)")
     warmup_epochs: float = opt(1.0, "linear warm-up epochs before the cosine decay")
-    label_smoothing: float = opt(0.1, "label smoothing of the cross-entropy loss")
+    label_smoothing: float = opt(0.1, "label smoothing of the cross-entropy loss (single-label data)")
+    augment: str | None = opt(None, "augmentation on the device, e.g. randaug:2:9,mixup:0.2,cutmix:1.0 (randaug:N:M, "
+                                    "trivialaug, jitter:B:C:S[:H], erase:P, mixup:A[:P], cutmix:A[:P])")
     image_size: int = opt(224, "training image size (pixels, square)")
     progressive: str | None = opt(None, "START:END, e.g. 128:224: small images first, full size at the end")
     amp: str | None = opt(None, "mixed precision (default: fp16 + GradScaler on CUDA, off on a CPU)",
@@ -69,6 +71,10 @@ class TrainConfig:
             raise ConfigError("--resume needs --out RUN_FOLDER: the run to continue")
         if self.progressive:
             parse_progressive(self.progressive)
+        if self.augment:
+            from fastpipe.loaders.augment import parse
+
+            parse(self.augment)
 
 
 def resumed_config(saved: dict, given: dict, run: str) -> TrainConfig:

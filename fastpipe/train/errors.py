@@ -14,14 +14,23 @@ from fastpipe.util import atomic_write_bytes, atomic_write_text
 CELL, CAPTION, COLS = 200, 34, 6
 
 
+def _names(e: dict, classes) -> tuple[str, str]:
+    """(true label, prediction) as text. Multi-label: the true label set, and the one label most confidently
+    wrong, '+name' when predicted but absent, '-name' when present but missed."""
+    if isinstance(e["label"], list):
+        true = [classes[k] for k, v in enumerate(e["label"]) if v > 0.5]
+        k = e["predicted"]
+        return ";".join(true) or "(none)", ("-" if e["label"][k] > 0.5 else "+") + classes[k]
+    return classes[e["label"]], classes[e["predicted"]]
+
+
 def write_errors(run: Path, errors: list[dict], shards, classes) -> None:
     """errors: dicts with confidence, predicted, label, key, source, id (Trainer.evaluate)."""
     buf = io.StringIO()
     w = csv.writer(buf)
     w.writerow(["rank", "confidence", "label", "predicted", "source", "shard", "sample"])
     for r, e in enumerate(errors, 1):
-        w.writerow([r, f"{e['confidence']:.4f}", classes[e["label"]], classes[e["predicted"]], e["source"] or "",
-                    e["shard"], e["sample"]])
+        w.writerow([r, f"{e['confidence']:.4f}", *_names(e, classes), e["source"] or "", e["shard"], e["sample"]])
     atomic_write_text(run / "errors.csv", buf.getvalue())
     if shards is not None and errors:
         _grid(run / "errors.jpg", errors, shards, classes)
@@ -39,8 +48,8 @@ def _grid(path: Path, errors: list[dict], shards, classes) -> None:
             sheet.paste(im, (x + (CELL - im.width) // 2, y + (CELL - im.height) // 2))
         except (OSError, ValueError):
             pass  # an undecodable image still gets its caption
-        draw.text((x + 4, y + CELL + 2), f"{classes[e['label']][:14]} -> {classes[e['predicted']][:14]}",
-                  fill=(255, 200, 120))
+        true, predicted = _names(e, classes)
+        draw.text((x + 4, y + CELL + 2), f"{true[:14]} -> {predicted[:14]}", fill=(255, 200, 120))
         draw.text((x + 4, y + CELL + 17), f"{e['confidence']:.2f} {(e['source'] or e['sample'])[-22:]}",
                   fill=(220, 220, 220))
     out = io.BytesIO()

@@ -23,13 +23,15 @@ def curves_png(metrics: list[dict], path: Path) -> None:
     axes = fig.subplots(1, 3)
     axes[0].plot(ep, [m["train_loss"] for m in metrics], "o-", label="train")
     val = [m for m in metrics if "val_loss" in m]
+    score = "val_map" if val and "val_map" in val[-1] else "val_acc"
     if val:
         axes[0].plot([m["epoch"] + 1 for m in val], [m["val_loss"] for m in val], "o-", label="val")
-        axes[1].plot([m["epoch"] + 1 for m in val], [m["val_acc"] for m in val], "o-", color="tab:green")
+        axes[1].plot([m["epoch"] + 1 for m in val], [m[score] for m in val], "o-", color="tab:green")
     axes[0].set_title("loss")
     axes[0].legend()
     axes[1].set_ylim(0, 1)
-    axes[1].set_title("validation accuracy" if val else "validation accuracy (no val split)")
+    title = "validation mAP" if score == "val_map" else "validation accuracy"
+    axes[1].set_title(title if val else f"{title} (no val split)")
     axes[2].plot(ep, [m["img_per_s"] for m in metrics], "o-", color="tab:purple", label="images/s")
     ax2 = axes[2].twinx()
     ax2.bar(ep, [100 * m["data_wait"] for m in metrics], alpha=0.25, color="tab:red", label="data wait %")
@@ -57,5 +59,26 @@ def confusion_png(confusion: list[list[int]], classes, path: Path) -> None:
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
     ax.set_title("validation confusion (counts; colour = row share)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def per_class_png(last: dict, classes, path: Path) -> None:
+    """The last evaluation per class: accuracy (single-label) or AP and F1 (multi-label), rarest problems visible."""
+    k = len(classes)
+    fig = _figure(max(5.0, 0.55 * k + 2), 3.6)
+    ax = fig.add_subplot()
+    x = np.arange(k)
+    if "per_class_ap" in last:
+        ap = [v if v is not None else 0.0 for v in last["per_class_ap"]]
+        ax.bar(x - 0.2, ap, 0.4, label="average precision", color="tab:blue")
+        ax.bar(x + 0.2, last["per_class_f1"], 0.4, label=f"F1 at threshold {last['threshold']}", color="tab:orange")
+        ax.legend(fontsize=8)
+        ax.set_title(f"per class, last epoch: mAP {last['val_map']:.3f}", fontsize=9)
+    else:
+        ax.bar(x, last["per_class_acc"], 0.6, color="tab:green")
+        ax.set_title(f"per-class validation accuracy, last epoch ({last['val_acc']:.3f} overall)", fontsize=9)
+    ax.set_ylim(0, 1)
+    ax.set_xticks(x, classes, rotation=45, ha="right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

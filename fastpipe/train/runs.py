@@ -6,7 +6,8 @@ and accuracy; `fastpipe runs` lists them side by side.
     runs/NAME/errors.csv      the most confidently misclassified val samples, with source files (errors.jpg)
     runs/NAME/summary.json    the final figures
     runs/NAME/curves.png      loss / accuracy / throughput per epoch
-    runs/NAME/confusion.png   the last validation confusion matrix
+    runs/NAME/confusion.png   the last validation confusion matrix (single-label)
+    runs/NAME/classes.png     per-class accuracy, or per-class AP and F1 for multi-label data
     runs/NAME/last.pt         checkpoint (written atomically), for --resume
 """
 
@@ -110,13 +111,15 @@ class Run:
 
     def finish(self, summary: dict, classes) -> None:
         write_json_atomic(self.path / "summary.json", summary)
-        from fastpipe.train.plots import confusion_png, curves_png
+        from fastpipe.train.plots import confusion_png, curves_png, per_class_png
 
         metrics = self.epochs()
         if metrics:
             curves_png(metrics, self.path / "curves.png")
             if "confusion" in metrics[-1]:
                 confusion_png(metrics[-1]["confusion"], classes, self.path / "confusion.png")
+            if "per_class_ap" in metrics[-1] or "per_class_acc" in metrics[-1]:
+                per_class_png(metrics[-1], classes, self.path / "classes.png")
 
 
 def default_run_dir(model: str) -> Path:
@@ -142,7 +145,8 @@ def list_runs(root: Path) -> list[dict]:
         rows.append({"run": folder.name, "model": t.get("model"), "backend": t.get("backend"),
                      "amp": t.get("amp"), "batch": t.get("batch_size"), "epochs": summ.get("epochs_done"),
                      "img/s": summ.get("img_per_s"), "wait%": summ.get("data_wait_pct"),
-                     "peak MB": summ.get("peak_mem_mb"), "val acc": summ.get("best_val_acc"),
+                     "peak MB": summ.get("peak_mem_mb"),
+                     "val acc/mAP": summ.get("best_val_acc") or summ.get("best_val_map"),
                      "minutes": summ.get("minutes"), "status": summ.get("status", "running?")})
     return rows
 

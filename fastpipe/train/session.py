@@ -66,8 +66,22 @@ def versions() -> dict:
 
 
 def _loader_cfg(cfg: TrainConfig, split: str, size: int, batch: int) -> LoaderConfig:
+    train = split == "train"
     return LoaderConfig(backend=cfg.backend, split=split, batch_size=batch, image_size=size, device=cfg.device,
-                        num_workers=cfg.workers, seed=cfg.seed, balance=cfg.balance and split == "train")
+                        num_workers=cfg.workers, seed=cfg.seed, balance=cfg.balance and train,
+                        augment=cfg.augment if train else None, label_smoothing=cfg.label_smoothing)
+
+
+def _criterion(cfg: TrainConfig, manifest, device: torch.device) -> nn.Module:
+    """Multi-label data: BCEWithLogitsLoss with the data set's pos_weight (negatives / positives per class).
+    Single-label: cross-entropy, which also takes the soft targets of mixup/cutmix (they carry the label
+    smoothing then, so the loss does not smooth them twice)."""
+    if manifest.multilabel:
+        return nn.BCEWithLogitsLoss(pos_weight=torch.tensor(manifest.pos_weight(), device=device))
+    weights = torch.tensor(manifest.class_weights(), device=device) if cfg.class_weighted_loss else None
+    from fastpipe.loaders.augment import mixes
+
+    return nn.CrossEntropyLoss(weight=weights, label_smoothing=0.0 if mixes(cfg.augment) else cfg.label_smoothing)
 
 
 def _build(cfg: TrainConfig, manifest, device: torch.device, d: Dist):
@@ -147,10 +161,9 @@ def train(cfg: TrainConfig) -> Path:
 
     steps = len(train_loader(image_size_for_epoch(cfg, 0))) // cfg.accum_steps
     opt = make_optimizer(model, cfg)
-    weights = torch.tensor(manifest.class_weights(), device=device) if cfg.class_weighted_loss else None
     trainer = Trainer(cfg, model, opt, make_schedule(opt, cfg, steps),
-                      torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16"),
-                      nn.CrossEntropyLoss(weight=weights, label_smoothing=cfg.label_smoothing), device, d)
+                      torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16"), _criterion(cfg, manifest, device),
+                      device, d)
     start = Start()
     if cfg.resume and (state := run.load()) is not None:
         start = _restore(trainer, state)
@@ -194,6 +207,7 @@ def _save_mid(trainer: Trainer, run: Run, epoch: int, progress: EpochProgress, l
 def _report(cfg: TrainConfig, m: dict, epoch: int, size: int) -> None:
     print(f"epoch {epoch + 1}/{cfg.epochs}  size {size}  loss {m['train_loss']:.3f}  "
           + (f"val acc {m['val_acc']:.3f}  " if "val_acc" in m else "")
+          + (f"val mAP {m['val_map']:.3f} (exact {m['val_exact_match']:.3f})  " if "val_map" in m else "")
           + f"{m['img_per_s']:.0f} img/s  data wait {100 * m['data_wait']:.0f}%"
           + (f"  peak {m['peak_mem_mb']:.0f} MB" if m["peak_mem_mb"] else ""))
 
@@ -246,8 +260,11 @@ def _epochs(trainer: Trainer, run: Run, manifest, train_loader, val_loader, star
 def _summary(run: Run, cfg: TrainConfig, status: str, seconds: float) -> dict:
     ms = run.epochs()
     accs = [m["val_acc"] for m in ms if "val_acc" in m]
+    maps = [m for m in ms if "val_map" in m]
+    multi = {"best_val_map": max(m["val_map"] for m in maps), "final_val_map": maps[-1]["val_map"],
+             "final_exact_match": maps[-1]["val_exact_match"], "threshold": maps[-1]["threshold"]} if maps else {}
     return {"status": status, "epochs_done": len(ms), "best_val_acc": max(accs, default=None),
-            "final_val_acc": accs[-1] if accs else None,
+            "final_val_acc": accs[-1] if accs else None, **multi,
             "img_per_s": sum(m["img_per_s"] for m in ms) / len(ms) if ms else None,
             "data_wait_pct": 100 * sum(m["data_wait"] for m in ms) / len(ms) if ms else None,
             "peak_mem_mb": max((m["peak_mem_mb"] or 0 for m in ms), default=None) or None,

@@ -1,0 +1,72 @@
+"""Loader worker processes: they survive signals meant for the training process, obey their own main process, and
+never keep the interpreter from exiting."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from test_loaders import KW, _corrupt_one_sample
+
+from fastpipe import make_loader
+from fastpipe.loaders.epoch import batches_per_epoch
+from fastpipe.manifest import load
+
+
+def _new_workers(before: set[int]) -> list:
+    return [p for p in multiprocessing.active_children() if p.pid not in before]
+
+
+def test_workers_ignore_a_foreign_sigterm_but_obey_their_main_process(converted):
+    before = {p.pid for p in multiprocessing.active_children()}
+    loader = make_loader(converted, "torch", num_workers=2, **KW)
+    it = iter(loader)
+    next(it)
+    workers = _new_workers(before)
+    assert len(workers) == 2
+    for w in workers:  # as Slurm or `kill -- -PGID` would: from another process
+        subprocess.run(["kill", "-TERM", str(w.pid)], check=True)
+    time.sleep(0.5)
+    rest = sum(1 for _ in it)
+    assert rest + 1 == batches_per_epoch("train", load(converted).splits["train"].samples, 8, 1)
+    assert all(w.is_alive() for w in workers)
+    os.kill(workers[0].pid, signal.SIGTERM)  # DataLoader's own fallback, from this process: obeyed
+    workers[0].join(timeout=20)
+    assert not workers[0].is_alive()
+    loader.close()
+    workers[1].join(timeout=20)
+    assert not workers[1].is_alive()
+
+
+def test_an_error_kept_in_a_reference_cycle_does_not_hang_the_exit(converted, tmp_path):
+    """The CI hang: an epoch abandoned by an exception whose traceback sat in a cycle left workers that the
+    garbage collector could not stop, and the interpreter waited for them at exit."""
+    import shutil
+
+    out = tmp_path / "bad"
+    shutil.copytree(converted, out)
+    _corrupt_one_sample(out)
+    script = tmp_path / "hold.py"
+    script.write_text(textwrap.dedent(f"""
+        import gc
+        from fastpipe import make_loader
+        if __name__ == "__main__":
+            loader = make_loader({str(out)!r}, "torch", num_workers=2, on_error="raise", batch_size=1,
+                                 image_size=48, device="cpu")
+            kept = []
+            try:
+                list(loader)
+            except Exception as e:
+                kept.append((e, kept))
+            del loader, kept
+            gc.collect()
+            print("exiting")
+    """))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and "exiting" in r.stdout, r.stderr[-2000:]
