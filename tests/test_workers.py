@@ -3,7 +3,6 @@ never keep the interpreter from exiting."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -18,16 +17,11 @@ from fastpipe.loaders.epoch import batches_per_epoch
 from fastpipe.manifest import load
 
 
-def _new_workers(before: set[int]) -> list:
-    return [p for p in multiprocessing.active_children() if p.pid not in before]
-
-
 def test_workers_ignore_a_foreign_sigterm_but_obey_their_main_process(converted):
-    before = {p.pid for p in multiprocessing.active_children()}
     loader = make_loader(converted, "torch", num_workers=2, **KW)
     it = iter(loader)
     next(it)
-    workers = _new_workers(before)
+    workers = loader.dataloader._iterator._workers  # this loader's own processes
     assert len(workers) == 2
     for w in workers:  # as Slurm or `kill -- -PGID` would: from another process
         subprocess.run(["kill", "-TERM", str(w.pid)], check=True)
