@@ -12,6 +12,7 @@ divided by one training step of the model (forward + backward + optimizer, synth
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -59,18 +60,14 @@ def device_steps(device: torch.device, batch: int, size: int) -> dict:
     counter as the loaders key them by the batch's position."""
     x = torch.randint(0, 256, (batch, size, size, 3), dtype=torch.uint8, device=device)
     y = torch.randint(0, CLASSES, (batch,), device=device)
-    steps, counter = {}, iter(range(1 << 62))
+    steps, counter = {}, itertools.count()
     for name in VARIANTS:
         aug = None if name == "none" else DeviceAugment(parse(name), CLASSES, False, 0.1, 0)
         ds = DeviceStep(device, (0.5,) * 3, (0.25,) * 3, True, aug)
 
-        def step(ds=ds, aug=aug):
-            if aug is not None:
-                ds.gen, host = aug.generator(device, (0, next(counter), 0))
-            out = ds.images(x)
-            if aug is not None and aug.spec.mixing:
-                out, _ = aug.mix(out, y, host)
-            return out
+        def step(ds=ds):  # exactly what a loader does with a train batch once it is on the device
+            host = ds.draw((0, next(counter), 0))
+            return ds.mix(ds.images(x), ds.labels(y), host)
 
         steps[name] = step
     return steps

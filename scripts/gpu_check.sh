@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# GPU checks in one go (< 8 minutes on one GPU): the gpu-marked tests, then `fastpipe bench` on demo data for
-# resnet18 and resnet50 with the torch, nvjpeg and DALI backends, the loader benchmark and a memory report.
+# GPU checks in one go (about 8 minutes on one GPU): the gpu-marked tests, then `fastpipe bench` on demo data for
+# resnet18 and resnet50 with the torch, nvjpeg and DALI backends, the loader benchmark, the cost of each device
+# augmentation against a ResNet-50 fp16 step at batch 256 (target: under 5 %) and a memory report.
 #   scripts/gpu_check.sh OUTDIR
-# Writes at most 8 files into OUTDIR: log.txt (everything, with a summary at the end), bench-resnet18.{json,png},
-# bench-resnet50.{json,png}, loaders.{json,png}, memory.json. Works with the machine's own python3 and
+# Writes at most 10 files into OUTDIR: log.txt (everything, with a summary at the end), bench-resnet18.{json,png},
+# bench-resnet50.{json,png}, loaders.{json,png}, augment.{json,png}, memory.json. Works with the machine's own python3 and
 # PYTHONPATH=. (no .venv needed); wheels in .whl/ (scripts/gpu_wheels.sh) are installed first when present.
 # What is missing (DALI, webdataset, pytest) is skipped with the reason in the log, never silently.
 set -uo pipefail
@@ -59,6 +60,8 @@ ONLY=""; has webdataset || ONLY="--only fastpipe"
 run 120 $PY benchmarks/bench_loaders.py --shards "$DATA/shards" --workers 8 --window-images 4096 $ONLY \
   --json "$OUT/loaders.json" --plot "$OUT/loaders.png"
 note "loader benchmark: exit $?"
+run 120 $PY benchmarks/bench_augment.py --json "$OUT/augment.json" --plot "$OUT/augment.png"
+note "augmentation cost: exit $? $($PY -c "import json; r=json.load(open('$OUT/augment.json')); print('; '.join(f\"{x['augment']} {x['share_of_step']:.1%}\" for x in r['rows'][1:]))" 2>&1)"
 run 90 $PY -m fastpipe memory --model resnet50 --batch-size 128 --amp fp16 --gpu-memory 8GB --json "$OUT/memory.json"
 note "memory report: exit $?"
 

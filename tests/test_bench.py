@@ -109,3 +109,19 @@ def test_cli_bench_prints_progress_and_respects_the_cap(converted):
                         "--max-seconds", "6"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "model only:" in r.stdout and "loader only:" in r.stdout and "headroom" in r.stdout
+
+
+def test_cli_bench_shows_the_augmentation_share(converted, tmp_path):
+    import subprocess
+
+    base = [sys.executable, "-m", "fastpipe", "bench", str(converted), "--model", "mobilenet_v3_small",
+            "--batch-size", "8", "--image-size", "48", "--workers", "0", "--device", "cpu", "--max-seconds", "8"]
+    r = subprocess.run([*base, "--augment", "randaug:2:9,mixup:0.2", "--json", str(tmp_path / "b.json")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "augmentation (randaug:2:9,mixup:0.2) adds" in r.stdout and "of each end-to-end step" in r.stdout
+    row = json.loads((tmp_path / "b.json").read_text())["rows"][0]
+    assert row["config"]["augment"] == "randaug:2:9,mixup:0.2"
+    assert 0 < row["augment_share"] <= 1 and row["augment_only"]["ms_per_batch"] > 0
+    bad = subprocess.run([*base, "--augment", "randaug:2:9,blur"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "blur" in bad.stderr and "mixup" in bad.stderr and "Traceback" not in bad.stderr

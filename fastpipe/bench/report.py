@@ -33,8 +33,8 @@ def table(result: dict) -> str:
         best = max(done, key=lambda r: r["end_to_end"]["img_per_s"])
         lines += ["", best["verdict_text"]]
         if "augment_share" in best:
-            lines.append(f"augmentation ({best['config']['augment']}) alone: {best['augment_only']['img_per_s']:,.0f} "
-                         f"img/s, {best['augment_share']:.0%} of each end-to-end step")
+            lines.append(f"augmentation ({best['config']['augment']}) adds {best['augment_only']['ms_per_batch']:.1f} "
+                         f"ms per batch: {best['augment_share']:.0%} of each end-to-end step")
         lines += [f"  - {a}" for a in best["advice"]]
         if len(done) > 1:
             lines.append(f"best configuration: {label(best, swept)} ({best['end_to_end']['img_per_s']:,.1f} img/s "

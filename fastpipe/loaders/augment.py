@@ -43,6 +43,11 @@ class AugmentSpec:
     def mixing(self) -> bool:
         return bool(self.mixup or self.cutmix)
 
+    @property
+    def pixel_ops(self) -> bool:
+        """Ops that change pixels image by image before normalising (erase runs after, mixing on the batch)."""
+        return bool(self.randaug or self.trivialaug or self.jitter)
+
 
 def _numbers(part: str, name: str, args: list[str]) -> list[float]:
     counts = {"randaug": (2,), "trivialaug": (0,), "jitter": (3, 4), "erase": (1,), "mixup": (1, 2),

@@ -54,6 +54,20 @@ class DeviceStep:
         self.mean = torch.tensor(mean, device=device, dtype=torch.float32).view(1, 3, 1, 1) * 255
         self.std = torch.tensor(std, device=device, dtype=torch.float32).view(1, 3, 1, 1).clamp(min=1 / 255) * 255
 
+    def draw(self, key: tuple[int, ...]):
+        """Key this batch's augmentation draws (from epoch, position and rank only); the host-side generator that
+        the batch-wise mixing uses, or None without augmentation."""
+        if self.augment is None:
+            return None
+        self.gen, host = self.augment.generator(self.device, key)
+        return host
+
+    def mix(self, x: torch.Tensor, y: torch.Tensor, host) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mixup / cutmix on the finished batch (soft targets), where the spec asks for them."""
+        if self.augment is None or not self.augment.spec.mixing:
+            return x, y
+        return self.augment.mix(x, y, host)
+
     def images(self, nhwc: torch.Tensor) -> torch.Tensor:
         x = nhwc.to(self.device, non_blocking=True).permute(0, 3, 1, 2)  # NCHW view = channels_last
         return self.finish(x)
@@ -62,7 +76,7 @@ class DeviceStep:
         """NCHW uint8 or float 0..255 on the device → the contract's output (augmented, for a train batch)."""
         x = x.contiguous(memory_format=torch.channels_last)
         aug, g = self.augment, self.gen
-        if aug is not None and g is not None and (aug.spec.randaug or aug.spec.trivialaug or aug.spec.jitter):
+        if aug is not None and g is not None and aug.spec.pixel_ops:
             x = aug.pixels(x.float(), g)
         if not self.normalize:
             if aug is not None and g is not None and aug.spec.erase:
@@ -201,15 +215,11 @@ class Loader:
     def _moved(self, batch: HostBatch):
         if batch.error:
             raise DataError(batch.error)
-        aug, host = self.step.augment, None
-        if aug is not None:  # the draws of this batch: from (epoch, its position in the epoch, rank) only
-            key = (self.epoch, self._start + self._batch_index * self.cfg.world_size * self.cfg.batch_size,
-                   self.cfg.rank)
-            self.step.gen, host = aug.generator(self.device, key)
+        host = self.step.draw((self.epoch, self._start + self._batch_index * self.cfg.world_size
+                               * self.cfg.batch_size, self.cfg.rank))
         self._batch_index += 1
         x, y = self._to_device(batch)  # may find more undecodable samples (nvjpeg)
-        if aug is not None and aug.spec.mixing:
-            x, y = aug.mix(x, y, host)
+        x, y = self.step.mix(x, y, host)
         for s in batch.skipped:
             warnings.warn(f"skipping {s}", stacklevel=4)
         keys = self.keys(batch.ids) if self.cfg.with_keys else None
