@@ -90,10 +90,9 @@ def plain_webdataset(out: Path, args):
 def variants(out: Path, args, workers: int) -> dict:
     # uint8 is what the loaders hand to the device step (the bound ends at uint8 too); on a GPU the float
     # conversion runs there. One row shows what that conversion costs when the "device" is this CPU.
-    # reuse_output: the benchmark, like a training step, is done with a batch when it asks for the next.
     kw = dict(batch_size=args.batch_size, image_size=args.image_size, num_workers=workers, device="cpu",
               normalize=False)
-    tkw = {**kw, "reuse_output": True}  # the torch backend's buffer recycling for uint8 output on the CPU
+    tkw = kw  # default settings: buffers are reused once a batch is dropped
     v = {
         "webdataset (docs), float": lambda: plain_webdataset(out, args),
         "fastpipe torch, uint8": lambda: make_loader(out, "torch", **tkw),

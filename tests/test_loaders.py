@@ -345,12 +345,12 @@ def test_side_stream_prefetch_overlaps_without_corruption(converted):
 
 
 def test_recycled_worker_buffers_never_overwrite_a_batch_in_use(converted):
-    """Normalised output recycles worker buffers, uint8 output does not: holding a whole epoch of both, the
-    normalised batches must equal the normalisation of the uint8 ones, batch for batch."""
+    """Both recycle worker buffers (normalised output once copied, uint8 once dropped): holding a whole epoch of
+    both, the normalised batches must equal the normalisation of the uint8 ones, batch for batch."""
     kw = {**KW, "batch_size": 1, "num_workers": 2, "prefetch_factor": 2, "seed": 3}
     floats = make_loader(converted, "torch", **kw)
     uint8 = make_loader(converted, "torch", normalize=False, **kw)
-    assert floats.recycle and not uint8.recycle
+    assert uint8.hands_out_buffer and not floats.hands_out_buffer
     for epoch in range(2):  # the second epoch reuses the first one's buffers
         floats.set_epoch(epoch)
         uint8.set_epoch(epoch)
@@ -375,18 +375,31 @@ def test_workers_are_not_forked_from_a_process_holding_dali(converted):
     assert sum(1 for _ in torch_loader) == len(torch_loader)
 
 
-def test_reuse_output_keeps_each_batch_valid_until_the_next(converted):
-    """uint8 on the CPU with reuse_output: a batch compared right away (before the next is asked for) equals
-    the same batch from a loader that allocates a fresh buffer for every batch."""
+def test_uint8_batches_reuse_buffers_yet_stay_intact_while_held(converted, monkeypatch):
+    """uint8 on the CPU hands out the workers' shared buffers themselves. Batches kept across a whole second epoch
+    are not overwritten; batches dropped at once go back to the pool and are written again."""
     kw = {**KW, "batch_size": 1, "num_workers": 2, "prefetch_factor": 2, "seed": 4, "normalize": False}
-    reused = make_loader(converted, "torch", reuse_output=True, **kw)
-    fresh = make_loader(converted, "torch", **kw)
-    assert reused.recycle and not fresh.recycle
-    n = 0
-    for (xr, yr), (xf, yf) in zip(reused, fresh):
-        assert torch.equal(xr, xf) and torch.equal(yr, yf)
-        n += 1
-    assert n == len(reused) > 2 * (2 + 2)
+    from fastpipe.loaders.batch import BufferPool
+
+    lent, lend = [], BufferPool.lend
+    monkeypatch.setattr(BufferPool, "lend", lambda pool, images, slot: (lent.append(slot), lend(pool, images, slot)))
+    loader = make_loader(converted, "torch", **kw)
+    held = [(x[0], y) for x, y in loader]  # a view of each batch, as a user might keep a slice
+    copies = [(x.clone(), y) for x, y in held]
+    pooled = [s for s in lent if s >= 0]  # -1: a fresh buffer, made when every pooled one is held
+    assert len(set(pooled)) == len(pooled) == 2 * (2 + 2) < len(lent)  # all held: no slot was lent twice
+    for _ in loader:  # the same epoch again while the first is held: written into other buffers
+        pass
+    for (x, y), (xc, yc) in zip(held, copies):
+        assert torch.equal(x, xc) and torch.equal(y, yc)
+    del held, x
+    lent.clear()
+    for _ in loader:  # dropped as they come: the pooled slots are reused
+        pass
+    pooled = [s for s in lent if s >= 0]
+    assert len(pooled) >= len(lent) - 2 and len(set(pooled)) <= 2 * (2 + 2) < len(pooled)
+    with pytest.warns(DeprecationWarning, match="reuse_output"):
+        make_loader(converted, "torch", reuse_output=True, **kw)
 
 
 # -- shared memory and DALI ------------------------------------------------------------------------------

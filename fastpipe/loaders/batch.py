@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -54,15 +55,17 @@ class BufferPool:
     A batch in shared memory crosses to the main process without a copy, but a fresh 10 MB buffer per batch costs
     its first-touch page faults (about a fifth of the decode time here: benchmarks/bench_loaders.py). So each
     worker keeps up to `ring` buffers and reuses one only after the main process has released it explicitly,
-    through a shared flag, once it has copied the batch out (into a float tensor, or a pinned and device copy).
-    Nothing depends on DataLoader's scheduling; when no buffer is free (or the caller keeps the buffer itself:
-    uint8 output on the CPU) a fresh one is allocated.
+    through a shared flag: once it has copied the batch out (into a float tensor, or a pinned and device copy),
+    or, where the caller gets the buffer itself (uint8 output on the CPU), once the caller's last view of it is
+    gone (`lend`). Nothing depends on DataLoader's scheduling or on the caller's habits: a batch kept for as long
+    as you like stays intact, and when no buffer is free a fresh one is allocated.
     """
 
     def __init__(self, workers: int, ring: int, batch: int, size: int):
         self.shape, self.ring = (batch, size, size, 3), ring
         self.free = torch.zeros((max(workers, 1), max(ring, 1)), dtype=torch.int8).share_memory_()
         self.pool: list[torch.Tensor] = []  # this worker's buffers (filled inside the worker process)
+        self.lent: set[int] = set()  # main process: slots whose buffer the caller still holds
 
     def _new(self) -> torch.Tensor:
         if get_worker_info() is None:
@@ -90,5 +93,20 @@ class BufferPool:
         if slot >= 0:
             self.free.view(-1)[slot] = 1
 
+    def lend(self, images: torch.Tensor, slot: int) -> None:
+        """The caller gets `images` (the main process's tensor over the slot's shared memory) itself: the slot is
+        released when that tensor is freed. Every view (a slice, a permute, `.numpy()`) keeps it alive through
+        `_base`, so no view can see the buffer rewritten."""
+        if slot >= 0:
+            self.lent.add(slot)
+            weakref.finalize(images, self._returned, slot).atexit = False
+
+    def _returned(self, slot: int) -> None:
+        self.lent.discard(slot)
+        self.release(slot)
+
     def release_all(self) -> None:
+        """Every slot free but those the caller still holds (between epochs: batches abandoned in flight)."""
         self.free.fill_(1)
+        for slot in self.lent:
+            self.free.view(-1)[slot] = 0

@@ -33,8 +33,8 @@ class LoaderConfig:
     min_scale: float = 0.08  # RandomResizedCrop's area range lower bound (torchvision's default)
     val_crop: float = 0.875  # val: resize the short side to image_size / val_crop, then centre crop
     cpu_decoder: str = "auto"  # torch backend: "simplejpeg" (+ OpenCV), "pillow", or auto (the first, else Pillow)
-    # uint8 output on the CPU hands out the workers' shared-memory buffer itself. True: a batch stays valid only
-    # until the next one is requested (DALI's rule), and buffers are reused instead of allocated per batch.
+    # No longer needed (accepted, with a DeprecationWarning): the torch backend reuses its batch buffers by default,
+    # safely, each once the batch handed out in it has been dropped (loaders/batch.py, BufferPool.lend).
     reuse_output: bool = False
     with_keys: bool = False  # also yield each sample's SampleKey (shard, key, source file), for tracing bad data
     # train: augmentation on the device (augment.py), e.g. "randaug:2:9,mixup:0.2,cutmix:1.0"; val never augments
@@ -67,6 +67,11 @@ class LoaderConfig:
             raise ConfigError(f"batch_size={self.batch_size}, image_size={self.image_size}: need >= 1 and >= 8")
         if self.world_size is not None and not 0 <= (self.rank or 0) < self.world_size:
             raise ConfigError(f"rank={self.rank} with world_size={self.world_size}: need 0 <= rank < world_size")
+        if self.reuse_output:
+            import warnings
+
+            warnings.warn("reuse_output is no longer needed and has no effect: batch buffers are reused by default, "
+                          "each once you have dropped the batch in it", DeprecationWarning, stacklevel=4)
         if self.augment:
             from fastpipe.loaders.augment import parse
 

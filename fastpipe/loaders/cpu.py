@@ -12,31 +12,24 @@ class TorchLoader(StreamLoader):
     name = "torch"
 
     def make_prepare(self):
-        # Buffers are recycled when every batch is copied out before the caller sees it (see BufferPool), or when
-        # the caller promises to be done with a batch when it asks for the next (reuse_output).
+        # uint8 output on the CPU hands the workers' shared buffer itself to the caller: it is lent, and goes back
+        # to the pool when the caller has dropped every view of it (BufferPool.lend). Otherwise it is released as
+        # soon as the batch has been copied out (float, or a device copy).
         self.hands_out_buffer = self.device.type == "cpu" and not self.cfg.normalize
-        self.recycle = not self.hands_out_buffer or self.cfg.reuse_output
-        self._held = -1  # the slot of the buffer the caller holds (reuse_output)
-        self.buffers = BufferPool(self.num_workers, self.prefetch + 2 if self.recycle else 0, self.cfg.batch_size,
-                                  self.cfg.image_size)
+        self.buffers = BufferPool(self.num_workers, self.prefetch + 2, self.cfg.batch_size, self.cfg.image_size)
         return CpuDecode(self.cfg, self.num_classes, self.manifest.multilabel, self.buffers)
 
     def batch_bytes(self) -> int:
         return self.cfg.batch_size * self.cfg.image_size**2 * 3
 
     def _host_batches(self):
-        if self.recycle:
-            # Idle workers between epochs: nothing is being written, and iter() drops the batches an epoch
-            # abandoned half-way left in flight, so every pooled buffer is free again.
-            self.buffers.release_all()
-            self._held = -1
+        # Idle workers between epochs: nothing is being written, and iter() drops the batches an epoch abandoned
+        # half-way left in flight, so every pooled buffer the caller does not hold is free again.
+        self.buffers.release_all()
         return super()._host_batches()
 
     def _release(self, batch: HostBatch) -> None:
-        if not self.recycle:
-            return
-        if self.hands_out_buffer:  # reuse_output: the previous batch is done now that the next is asked for
-            self.buffers.release(self._held)
-            self._held = batch.slot
+        if self.hands_out_buffer:
+            self.buffers.lend(batch.images, batch.slot)
         else:
-            self.buffers.release(batch.slot)  # the output is new memory (float, or a device copy)
+            self.buffers.release(batch.slot)

@@ -108,7 +108,7 @@ def _first_undecodable(shards: ShardSet, seconds: float) -> str | None:
 
 class DaliLoader(Loader):
     name = "dali"
-    unsupported = ("cpu_decoder", "reuse_output")
+    unsupported = ("cpu_decoder",)
 
     def __init__(self, manifest, cfg):
         _import_dali()

@@ -36,7 +36,7 @@ def _decoder():
 
 class NvjpegLoader(StreamLoader):
     name = "nvjpeg"
-    unsupported = ("cpu_decoder", "reuse_output")
+    unsupported = ("cpu_decoder",)
 
     def __init__(self, manifest, cfg):
         super().__init__(manifest, cfg)

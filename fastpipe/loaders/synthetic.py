@@ -14,7 +14,7 @@ from fastpipe.loaders.batch import HostBatch
 
 class SyntheticLoader(Loader):
     name = "synthetic"
-    unsupported = ("balance", "with_keys", "cpu_decoder", "reuse_output")
+    unsupported = ("balance", "with_keys", "cpu_decoder")
 
     def __init__(self, manifest, cfg):
         super().__init__(manifest, cfg)
