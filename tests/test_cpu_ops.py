@@ -63,3 +63,18 @@ def test_png_falls_back_to_pillow_and_large_crops_use_dct_scaling():
 def test_garbage_raises_for_the_caller_to_count():
     with pytest.raises(Exception):  # noqa: B017 - PIL's or simplejpeg's own error type
         cpu_ops.decode_train(b"\xff\xd8" + b"\x00" * 500, 32, np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("seed", [0, 7, -1, 2**63])
+def test_batched_sample_streams_equal_the_one_by_one_streams(seed):
+    """A batch's crop generators are computed at once with numpy; they must give exactly the numbers each
+    sample's own generator gives (a resumed run, and the nvjpeg backend's crops, depend on it), past the
+    precomputed draws too."""
+    from fastpipe.loaders.rng import SampleRng
+
+    positions = np.array([0, 1, 63, 2**40, 2**62 + 12345])
+    for position, batched in zip(positions.tolist(), SampleRng.batch((seed, 3), positions, draws=4)):
+        one = SampleRng(seed, 3, position)
+        assert [batched.random() for _ in range(9)] == [one.random() for _ in range(9)]
+    values = [r.random() for r in SampleRng.batch((seed, 3), np.arange(2000))]
+    assert 0 <= min(values) < 0.01 and 0.99 < max(values) < 1 and abs(np.mean(values) - 0.5) < 0.03

@@ -22,25 +22,15 @@ from fastpipe.loaders import cpu_ops
 from fastpipe.loaders.batch import BufferPool, HostBatch
 from fastpipe.loaders.config import LoaderConfig
 from fastpipe.loaders.rng import SampleRng
-from fastpipe.loaders.shards import RawSample
+from fastpipe.loaders.shards import RawBatch
 
 
 class SampleError(DataError):
     """A sample that can't be decoded (with on_error="raise"), or a batch none of whose samples decode."""
 
 
-def label_tensor(labels: list, num_classes: int, multilabel: bool) -> torch.Tensor:
-    """int64 class indices, or for multi-label data float32 multi-hot rows (N, K)."""
-    if not multilabel:
-        return torch.tensor(labels, dtype=torch.int64)
-    hot = torch.zeros((len(labels), num_classes), dtype=torch.float32)
-    for row, ks in enumerate(labels):
-        hot[row, list(ks)] = 1.0
-    return hot
-
-
-def _failure(s: RawSample, e: Exception) -> str:
-    return f"sample {s.key} in shard {s.shard}: {type(e).__name__}: {str(e)[:200]}"
+def _failure(raw: RawBatch, i: int, e: Exception) -> str:
+    return f"{raw.name(i)}: {type(e).__name__}: {str(e)[:200]}"
 
 
 class _Prepare:
@@ -48,16 +38,14 @@ class _Prepare:
         self.cfg, self.train = cfg, cfg.split == "train"
         self.num_classes, self.multilabel = num_classes, multilabel
 
-    def labels(self, samples: list[RawSample]) -> torch.Tensor:
-        return label_tensor([s.label for s in samples], self.num_classes, self.multilabel)
+    def rngs(self, epoch: int, positions) -> list[SampleRng | None]:
+        """Each train sample's crop and flip generator, keyed by (seed, epoch, position in the epoch)."""
+        return SampleRng.batch((self.cfg.seed, epoch), positions) if self.train else [None] * len(positions)
 
-    def rng(self, epoch: int, position: int) -> SampleRng:
-        return SampleRng(self.cfg.seed, epoch, position)
-
-    def _bad(self, s: RawSample, e: Exception, skipped: list[str]) -> None:
+    def _bad(self, raw: RawBatch, i: int, e: Exception, skipped: list[str]) -> None:
         if self.cfg.on_error == "raise":
-            raise SampleError(_failure(s, e)) from e
-        skipped.append(_failure(s, e))
+            raise SampleError(_failure(raw, i, e)) from e
+        skipped.append(_failure(raw, i, e))
 
     @staticmethod
     def _fill(good: list[int], n: int, what: str) -> list[int]:
@@ -74,55 +62,53 @@ class CpuDecode(_Prepare):
         super().__init__(cfg, num_classes, multilabel)
         self.buffers = buffers
 
-    def __call__(self, samples: list[RawSample], positions, epoch: int) -> HostBatch:
-        cfg = self.cfg
+    def __call__(self, raw: RawBatch, positions, epoch: int) -> HostBatch:
+        cfg, n = self.cfg, len(raw)
         buffer, slot = self.buffers.take()
         good, skipped = [], []
-        for i, (s, pos) in enumerate(zip(samples, positions)):
+        for i, (image, rng) in enumerate(zip(raw.images, self.rngs(epoch, positions))):
             out = buffer[i].numpy()  # decoded straight into the batch
             try:
                 if self.train:
-                    cpu_ops.decode_train(s.image, cfg.image_size, self.rng(epoch, pos), cfg.min_scale,
-                                         cfg.cpu_decoder, out)
+                    cpu_ops.decode_train(image, cfg.image_size, rng, cfg.min_scale, cfg.cpu_decoder, out)
                 else:
-                    cpu_ops.decode_val(s.image, cfg.image_size, cfg.val_crop, cfg.cpu_decoder, out)
+                    cpu_ops.decode_val(image, cfg.image_size, cfg.val_crop, cfg.cpu_decoder, out)
                 good.append(i)
             except Exception as e:  # any decoder failure is this sample's problem, reported with its key
-                self._bad(s, e, skipped)
-        pick = self._fill(good, len(samples), skipped[-1] if skipped else "") if self.train else good
-        if pick != list(range(len(samples))):
-            buffer[: len(pick)] = buffer[pick].clone()
-        ids = torch.tensor([samples[i].id for i in pick], dtype=torch.int64)
-        return HostBatch(self.labels([samples[i] for i in pick]), ids, images=buffer[: len(pick)], skipped=skipped,
-                         slot=slot)
+                self._bad(raw, i, e, skipped)
+        pick = self._fill(good, n, skipped[-1] if skipped else "") if self.train else good
+        if len(pick) == n and pick == list(range(n)):
+            return HostBatch(raw.labels, torch.from_numpy(raw.ids), images=buffer[:n], skipped=skipped, slot=slot)
+        buffer[: len(pick)] = buffer[pick].clone()
+        return HostBatch(raw.labels[pick], torch.from_numpy(raw.ids[pick]), images=buffer[: len(pick)],
+                         skipped=skipped, slot=slot)
 
 
 class EncodedBytes(_Prepare):
-    def __call__(self, samples: list[RawSample], positions, epoch: int) -> HostBatch:
+    def __call__(self, raw: RawBatch, positions, epoch: int) -> HostBatch:
         cfg, keep, boxes, flips, skipped = self.cfg, [], [], [], []
-        for s, pos in zip(samples, positions):
+        for i, (image, rng) in enumerate(zip(raw.images, self.rngs(epoch, positions))):
             try:
-                w, h = cpu_ops.jpeg_size(s.image)
+                w, h = cpu_ops.jpeg_size(image)
             except Exception as e:
-                self._bad(s, e, skipped)
+                self._bad(raw, i, e, skipped)
                 continue
             if self.train:
-                box, flip = cpu_ops.draw_train_params(w, h, self.rng(epoch, pos), cfg.min_scale)
+                box, flip = cpu_ops.draw_train_params(w, h, rng, cfg.min_scale)
             else:
                 box, flip = cpu_ops.center_crop_box(w, h, cfg.image_size, cfg.val_crop), False
-            keep.append(s)
+            keep.append(i)
             boxes.append(box)
             flips.append(flip)
-        if self.train and len(keep) < len(samples):  # keep the batch shape with copies of good samples
-            pick = self._fill(list(range(len(keep))), len(samples), skipped[-1] if skipped else "")
+        if self.train and len(keep) < len(raw):  # keep the batch shape with copies of good samples
+            pick = self._fill(list(range(len(keep))), len(raw), skipped[-1] if skipped else "")
             keep, boxes, flips = [keep[i] for i in pick], [boxes[i] for i in pick], [flips[i] for i in pick]
-        return HostBatch(self.labels(keep), torch.tensor([s.id for s in keep], dtype=torch.int64),
-                         data=[torch.frombuffer(bytearray(s.image), dtype=torch.uint8) for s in keep],
+        return HostBatch(raw.labels[keep], torch.from_numpy(raw.ids[keep]),
+                         data=[torch.frombuffer(bytearray(raw.images[i]), dtype=torch.uint8) for i in keep],
                          boxes=torch.tensor(boxes, dtype=torch.int64).reshape(-1, 4),
                          flips=torch.tensor(flips, dtype=torch.bool), skipped=skipped)
 
 
 class Raw(_Prepare):
-    def __call__(self, samples: list[RawSample], positions, epoch: int) -> HostBatch:
-        return HostBatch(self.labels(samples), torch.tensor([s.id for s in samples], dtype=torch.int64),
-                         data=[np.frombuffer(s.image, dtype=np.uint8) for s in samples])
+    def __call__(self, raw: RawBatch, positions, epoch: int) -> HostBatch:
+        return HostBatch(raw.labels, torch.from_numpy(raw.ids), data=[np.frombuffer(im, np.uint8) for im in raw.images])

@@ -1,12 +1,15 @@
 """Per-sample randomness: each sample's crop and flip derive from (seed, epoch, position in the epoch's sequence)
 alone, so they do not depend on which rank or worker decodes it, and a resumed run repeats them exactly.
 
-A numpy Generator per sample costs ~30 us to create; this splitmix64 stream costs ~1 us per draw, which keeps the
-per-sample machinery small (benchmarks/bench_loaders.py). Statistical quality is splitmix64's (it passes BigCrush),
-more than augmentation needs.
+A numpy Generator per sample costs ~30 us to create; this splitmix64 stream costs ~1 us per draw in Python, and
+`SampleRng.batch` computes a whole batch's streams and their first draws with numpy at once (the same numbers,
+well under 1 us per sample: benchmarks/bench_peers.py measures the per-sample machinery). Statistical quality is
+splitmix64's (it passes BigCrush), more than augmentation needs.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 _M = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15
@@ -18,18 +21,45 @@ def _mix(z: int) -> int:
     return z ^ (z >> 31)
 
 
+def _mix_np(z: np.ndarray) -> np.ndarray:
+    """_mix on uint64 arrays (numpy's uint64 arithmetic wraps modulo 2**64, as `& _M` does)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _state(key) -> int:
+    s = _GAMMA
+    for k in key:
+        s = _mix(((s ^ (int(k) & _M)) + _GAMMA) & _M)
+    return s
+
+
 class SampleRng:
     """The subset of numpy.random.Generator that augmentation uses: random, uniform, integers."""
 
-    __slots__ = ("_s",)
+    __slots__ = ("_ready", "_s")
 
     def __init__(self, *key: int):
-        s = _GAMMA
-        for k in key:
-            s = _mix(((s ^ (int(k) & _M)) + _GAMMA) & _M)
-        self._s = s
+        self._s, self._ready = _state(key), None
+
+    @classmethod
+    def batch(cls, key: tuple[int, ...], last: np.ndarray, draws: int = 8) -> list[SampleRng]:
+        """[SampleRng(*key, p) for p in last], each with its first `draws` numbers computed at once."""
+        with np.errstate(over="ignore"):
+            s = _mix_np((np.uint64(_state(key)) ^ np.asarray(last).astype(np.uint64)) + np.uint64(_GAMMA))
+            steps = s[:, None] + np.arange(1, draws + 1, dtype=np.uint64) * np.uint64(_GAMMA)
+            values = (_mix_np(steps) >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+        out = []
+        for state, row in zip(steps[:, -1].tolist(), values[:, ::-1].tolist()):
+            r = cls.__new__(cls)
+            r._s, r._ready = state, row  # reversed: pop() hands them out in order
+            out.append(r)
+        return out
 
     def random(self) -> float:
+        if self._ready:
+            return self._ready.pop()
         self._s = (self._s + _GAMMA) & _M
         return (_mix(self._s) >> 11) * (1.0 / (1 << 53))
 

@@ -14,6 +14,7 @@ import mmap
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from fastpipe.errors import DataError
 from fastpipe.loaders.epoch import Piece
@@ -32,6 +33,36 @@ class RawSample:
     shard: str
     image: bytes
     label: int | tuple[int, ...]  # a class index, or a multi-label sample's class indices
+
+
+def label_tensor(labels: list, num_classes: int, multilabel: bool) -> torch.Tensor:
+    """int64 class indices, or for multi-label data float32 multi-hot rows (N, K)."""
+    if not multilabel:
+        return torch.tensor(labels, dtype=torch.int64)
+    hot = torch.zeros((len(labels), num_classes), dtype=torch.float32)
+    for row, ks in enumerate(labels):
+        hot[row, list(ks)] = 1.0
+    return hot
+
+
+@dataclass
+class RawBatch:
+    """The samples of one batch as read, in parallel arrays (no object per sample: the hot path of every worker).
+    `images` are zero-copy views of the shards' memory maps; `labels` is the batch's label tensor (int64 class
+    indices, or float32 multi-hot rows for multi-label data)."""
+
+    shards: ShardSet
+    ids: np.ndarray
+    images: list[memoryview]
+    labels: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def name(self, i: int) -> str:
+        """'sample KEY in shard NAME' of the batch's i-th sample, for messages."""
+        sid = int(self.ids[i])
+        return f"sample {self.shards.keys[sid]} in shard {self.shards.paths[int(self.shards.shard_of(sid))].name}"
 
 
 class ShardSet:
@@ -56,6 +87,8 @@ class ShardSet:
         for i, shard in enumerate(info.shards):
             self._check(manifest, i, shard)
         self._maps: dict[int, mmap.mmap] = {}
+        self._views: dict[int, memoryview] = {}
+        self._arrays: dict[int, np.ndarray] = {}
 
     def _check(self, manifest: Manifest, i: int, shard) -> None:
         path, idx = self.paths[i], self.index_paths[i]
@@ -97,6 +130,22 @@ class ShardSet:
                 m = self._maps[shard] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         return m
 
+    def _view(self, shard: int, offset: int, size: int) -> memoryview:
+        mv = self._views.get(shard)
+        if mv is None:
+            mv = self._views[shard] = memoryview(self._map(shard))
+        data = mv[offset : offset + size]
+        if len(data) != size:
+            raise ShardError(f"shard {self.paths[shard]} ends before byte {offset + size}: the file was truncated "
+                             f"after the loader opened it; copy it again")
+        return data
+
+    def _array(self, shard: int) -> np.ndarray:
+        a = self._arrays.get(shard)
+        if a is None:
+            a = self._arrays[shard] = np.frombuffer(self._map(shard), np.uint8)
+        return a
+
     def _bytes(self, shard: int, offset: int, size: int) -> bytes:
         data = self._map(shard)[offset : offset + size]
         if len(data) != size:
@@ -110,9 +159,40 @@ class ShardSet:
         return RawSample(i, self.keys[i], self.paths[shard].name, self._bytes(shard, int(io_), int(in_)),
                          self.label(i, shard, self._bytes(shard, int(lo_), int(ln_))))
 
-    def read(self, ids) -> list[RawSample]:
+    def read(self, ids) -> RawBatch:
+        """The samples `ids` (global ids), their images as views and their labels decoded batch-wise."""
+        ids = np.asarray(ids, dtype=np.int64)
         shards = self.shard_of(ids)
-        return [self.sample(int(i), int(s)) for i, s in zip(ids, shards)]
+        off, size = self.offsets[ids], self.sizes[ids]
+        images = [self._view(s, o, n) for s, o, n in zip(shards.tolist(), off[:, 0].tolist(), size[:, 0].tolist())]
+        return RawBatch(self, ids, images, self.labels(ids, shards, off[:, 1], size[:, 1]))
+
+    def labels(self, ids: np.ndarray, shards: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> torch.Tensor:
+        """The batch's label tensor. Binary `.lbl` records (what the converter writes) are gathered from the memory
+        maps in one step per shard; text labels (foreign shards) or a record of the wrong size are decoded one by
+        one, so that a bad one is named."""
+        width = self.num_classes if self.multilabel else 4
+        if self.label_ext != "lbl" or not (sizes == width).all():
+            labels = [self.label(int(i), int(s), self._bytes(int(s), int(o), int(n)))
+                      for i, s, o, n in zip(ids, shards, offsets, sizes)]
+            return label_tensor(labels, self.num_classes, self.multilabel)
+        raw = np.empty((len(ids), width), np.uint8)
+        for s in np.unique(shards).tolist():
+            rows = shards == s
+            where = offsets[rows][:, None] + np.arange(width)
+            data = self._array(s)
+            if where.size and where.max() >= len(data):
+                raise ShardError(f"shard {self.paths[s]} ends before byte {where.max() + 1}: the file was truncated "
+                                 f"after the loader opened it; copy it again")
+            raw[rows] = data[where]
+        if self.multilabel:
+            return torch.from_numpy((raw != 0).astype(np.float32))
+        labels = raw.view("<i4")[:, 0].astype(np.int64)
+        bad = np.flatnonzero((labels < 0) | (labels >= self.num_classes))
+        if len(bad):  # named by the one-by-one path
+            i = int(ids[bad[0]])
+            self.label(i, int(shards[bad[0]]), self._bytes(int(shards[bad[0]]), int(offsets[bad[0]]), width))
+        return torch.from_numpy(labels)
 
     def read_piece(self, piece: Piece) -> list[RawSample]:
         first = int(self.starts[piece.shard]) + piece.start
@@ -153,5 +233,5 @@ class ShardSet:
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state["_maps"] = {}  # memory maps are per process
+        state["_maps"], state["_views"], state["_arrays"] = {}, {}, {}  # memory maps are per process
         return state
