@@ -209,12 +209,11 @@ def _configured(sub, name: str, cls, func, hint: str, **kw) -> argparse.Argument
 
 def build_parser() -> argparse.ArgumentParser:
     import fastpipe
-    from fastpipe.bench.harness import BenchConfig
+    from fastpipe.bench.config import BenchConfig
     from fastpipe.convert.driver import ShardConfig
     from fastpipe.convert.foreign import IndexConfig
     from fastpipe.demo import DemoConfig
-    from fastpipe.train.config import TrainConfig
-    from fastpipe.train.memory import MemoryConfig
+    from fastpipe.train.config import MemoryConfig, TrainConfig
 
     ap = argparse.ArgumentParser(prog="fastpipe", description=fastpipe.__doc__)
     ap.add_argument("--version", action="version", version=f"fastpipe {__version__}")

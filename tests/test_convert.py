@@ -437,3 +437,26 @@ def test_preview_names_never_collide_or_escape(tmp_path):
     for f in files.values():
         p = (out / f).resolve()
         assert p.parent == (out / "previews").resolve() and p.is_file() and len(p.name) < 100
+
+
+def test_conversion_pool_forks_only_where_that_is_safe(monkeypatch):
+    """fork (fast; no re-import of the caller's main module) unless a DALI pipeline or a CUDA context lives here."""
+    import sys
+
+    from fastpipe.convert.driver import _pool_context
+
+    monkeypatch.delitem(sys.modules, "nvidia.dali", raising=False)
+    assert _pool_context().get_start_method() == "fork"
+    monkeypatch.setitem(sys.modules, "nvidia.dali", object())
+    assert _pool_context().get_start_method() == "spawn"
+
+
+def test_building_the_cli_imports_no_torch():
+    """`fastpipe shard` and `demo-data` need no torch: importing it cost every command seconds (and, in spawned
+    conversion workers, every worker)."""
+    import subprocess
+    import sys
+
+    code = "import sys, fastpipe.cli as c; c.build_parser(); print('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "False", r.stderr[-1000:]

@@ -15,15 +15,15 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, replace
 
 import torch
 from torch import nn
 
+from fastpipe.bench.config import CPU_BUDGET, SWEPT, BenchConfig, split_sweep  # noqa: F401 (the API)
 from fastpipe.bench.timing import Budget, Utilisation, cuda_sync, endless, measure
-from fastpipe.loaders import BACKEND_NAMES, LoaderConfig, make_loader_from
+from fastpipe.loaders import LoaderConfig, make_loader_from
 from fastpipe.manifest import load
-from fastpipe.options import opt, parse_onoff, parse_workers
 from fastpipe.train.config import TrainConfig
 from fastpipe.train.loop import Dist, Trainer, make_optimizer
 from fastpipe.train.models import build_model
@@ -33,51 +33,6 @@ DEVICE_BOUND = 0.90  # end to end within 10 % of the model-only rate: the device
 LOADER_BOUND = 0.85  # end to end at >= 85 % of the loader-only rate, and well below the model: the loader
 WAIT_BOUND = 0.5  # ... or half of every step spent waiting for data (a loader in the training process)
 WAIT_FREE = 0.1  # under a tenth of each step waiting: the loader is not what holds training back
-CPU_BUDGET = 300.0  # seconds for a whole bench on a CPU unless --max-seconds says otherwise
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    data: str = opt(None, "converter output folder", positional=True)
-    model: str = opt("resnet18", "torchvision model name")
-    backend: str = opt("torch", "loader backend: " + ", ".join(BACKEND_NAMES), sweep=True, choices=BACKEND_NAMES)
-    device: str | None = opt(None, "cuda, cpu (default: cuda when available)")
-    batch_size: int = opt(64, "batch size", sweep=True)
-    image_size: int = opt(224, "image size", sweep=True)
-    amp: str | None = opt(None, "mixed precision (default: fp16 on CUDA, off on a CPU)",
-                          choices=("fp16", "bf16", "off"))
-    workers: int | str | None = opt(None, "loader workers: a number, auto or probe", sweep=True, parse=parse_workers)
-    pin_memory: bool | None = opt(None, "pinned host memory: on, off, auto", sweep=True, parse=parse_onoff)
-    channels_last: bool | None = opt(None, "channels_last memory format (default: on CUDA)")
-    augment: str | None = opt(None, "augmentation on the device, as `fastpipe train --augment` (its share of a "
-                                    "step is measured too)")
-    steps: int = opt(20, "timed steps per window")
-    windows: int = opt(3, "timing windows per measurement (the median is reported)")
-    warmup: int = opt(3, "untimed steps before each measurement")
-    max_seconds: float | None = opt(None, f"time for the whole bench (default: {CPU_BUDGET:.0f} on a CPU, no limit "
-                                          f"on CUDA); each measurement gets an equal share")
-
-    def resolved(self) -> BenchConfig:
-        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        cuda = device.startswith("cuda")
-        return replace(self, device=device, amp=self.amp or ("fp16" if cuda else "off"),
-                       channels_last=cuda if self.channels_last is None else self.channels_last,
-                       max_seconds=self.max_seconds or (None if cuda else CPU_BUDGET))
-
-    def model_key(self) -> tuple:
-        """What model-only depends on: rows that share it share one measurement."""
-        return self.model, self.device, self.batch_size, self.image_size, self.amp, self.channels_last, self.augment
-
-
-SWEPT = tuple(f.name for f in fields(BenchConfig) if f.metadata.get("sweep"))
-
-
-def split_sweep(settings: dict) -> tuple[dict, dict[str, list]]:
-    """CLI values → (base settings, {swept field: values}); a swept flag given once is a plain setting."""
-    base = {k: v for k, v in settings.items() if k not in SWEPT}
-    sweep = {k: v for k, v in settings.items() if k in SWEPT and len(v) > 1}
-    base.update({k: v[0] for k, v in settings.items() if k in SWEPT and len(v) == 1})
-    return base, sweep
 
 
 def _trainer(cfg: BenchConfig, num_classes: int) -> Trainer:

@@ -137,6 +137,8 @@ def _init_worker(settings: images.ImageSettings, max_file_size: int, in_pool: bo
     _SETTINGS = (settings, max_file_size)
     if in_pool:  # Ctrl-C reaches the whole process group: the main process stops the pool and says what to do
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked worker must not keep a caller's handler:
+        # pool.terminate() ends workers with SIGTERM
 
 
 def _convert_one(path: str) -> images.Encoded | images.Rejected:
@@ -204,10 +206,22 @@ class _SplitRun:
         self._closed(None, done=True)  # rejections after it, and the mark that the split is complete
 
 
+def _pool_context():
+    """fork where it is safe: workers start at once and do not re-import the caller's main module (a script that
+    imports torch made every spawned worker import torch too: seconds each, a sixth of a 400-photo conversion).
+    spawn when the parent holds state a fork would copy broken: an initialised CUDA context, or a DALI pipeline
+    (whose forked copy hangs in its destructor: loaders/stream.py)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if "nvidia.dali" in sys.modules or (torch is not None and torch.cuda.is_initialized()):
+        return get_context("spawn")
+    return get_context("fork")
+
+
 def _make_pool(workers: int, cfg: ShardConfig):
-    # spawn, not fork: a parent that already holds torch/CUDA state must not be forked.
-    return get_context("spawn").Pool(workers, initializer=_init_worker,
-                                      initargs=(cfg.image_settings(), cfg.max_file_size, True))
+    return _pool_context().Pool(workers, initializer=_init_worker,
+                                initargs=(cfg.image_settings(), cfg.max_file_size, True))
 
 
 def _guard(cfg: ShardConfig, fingerprint: str, journal: Journal) -> bool:

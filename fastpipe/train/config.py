@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from fastpipe.errors import ConfigError
 from fastpipe.loaders import BACKEND_NAMES
-from fastpipe.options import opt, parse_workers
+from fastpipe.options import opt, parse_gb, parse_workers
 
 AMP_MODES = ("fp16", "bf16", "off")
 OPTIMIZERS = ("sgd", "adamw")
@@ -112,3 +112,25 @@ def image_size_for_epoch(cfg: TrainConfig, epoch: int) -> int:
         return hi
     size = lo + (hi - lo) * epoch / max(ramp - 1, 1)
     return int(min(hi, max(lo, round(size / 32) * 32)))
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    model: str = opt("resnet18", "torchvision model name")
+    image_size: int = opt(224, "image size (pixels, square)")
+    batch_size: int = opt(64, "batch size to account for")
+    optimizer: str = opt("sgd", "optimizer (SGD keeps one state copy, AdamW two)", choices=("sgd", "adamw"))
+    amp: str | None = opt(None, "mixed precision (default as `fastpipe train`: fp16 on CUDA, off on a CPU)",
+                          choices=("fp16", "bf16", "off"))
+    num_classes: int = opt(1000, "classes of the head (or --data)")
+    device: str | None = opt(None, "where to measure (default: cuda when available)")
+    gpu_memory: int | None = opt(None, "memory to plan for, e.g. 8GB (a bare 8 means 8 GB; default: this GPU's)",
+                                 parse=parse_gb)
+    checkpoint_activations: bool = opt(False, "recompute the deep stages' activations")
+    channels_last: bool = opt(True, "channels_last memory format")
+
+    def resolved(self) -> MemoryConfig:
+        import torch
+
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        return replace(self, device=device, amp=self.amp or ("fp16" if device.startswith("cuda") else "off"))

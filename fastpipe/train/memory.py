@@ -17,30 +17,10 @@ import torch
 from torch import nn
 
 from fastpipe.errors import ConfigError
-from fastpipe.options import opt, parse_gb
+from fastpipe.train.config import MemoryConfig
 
 MB = 2**20
 SAFETY = 0.92  # share of the device memory to plan for: the caching allocator fragments and CUDA needs some
-
-
-@dataclass(frozen=True)
-class MemoryConfig:
-    model: str = opt("resnet18", "torchvision model name")
-    image_size: int = opt(224, "image size (pixels, square)")
-    batch_size: int = opt(64, "batch size to account for")
-    optimizer: str = opt("sgd", "optimizer (SGD keeps one state copy, AdamW two)", choices=("sgd", "adamw"))
-    amp: str | None = opt(None, "mixed precision (default as `fastpipe train`: fp16 on CUDA, off on a CPU)",
-                          choices=("fp16", "bf16", "off"))
-    num_classes: int = opt(1000, "classes of the head (or --data)")
-    device: str | None = opt(None, "where to measure (default: cuda when available)")
-    gpu_memory: int | None = opt(None, "memory to plan for, e.g. 8GB (a bare 8 means 8 GB; default: this GPU's)",
-                                 parse=parse_gb)
-    checkpoint_activations: bool = opt(False, "recompute the deep stages' activations")
-    channels_last: bool = opt(True, "channels_last memory format")
-
-    def resolved(self) -> MemoryConfig:
-        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        return replace(self, device=device, amp=self.amp or ("fp16" if device.startswith("cuda") else "off"))
 
 
 @dataclass

@@ -1,0 +1,453 @@
+"""fastpipe against its peers — litdata, Mosaic streaming, webdataset — on the same photos and the same work, in one
+run, interleaved: conversion, the per-sample machinery, and loading (with fastpipe's decode, and with each peer's
+idiomatic simplejpeg + torchvision v2 decode).
+
+    scripts/peers_env.sh          # once: .peers/, a venv with the peers beside fastpipe's own .venv
+    .peers/bin/python benchmarks/bench_peers.py --rounds 9 --json docs/results/peers.json
+
+The peers live in the benchmark's own environment, never in fastpipe's dependencies. Every figure is a median over
+rounds with its range; each round runs every variant once, in a shuffled order, so drift in the machine's speed
+hits all alike. Work per image: conversion = fastpipe's own per-image step (decode, EXIF, downsample to 320 px,
+JPEG encode) for every tool; loading = random-resized-crop 224 + flip → uint8, batch 64, `--workers` workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import multiprocessing
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fastpipe.convert.images import Encoded, ImageSettings, process
+from fastpipe.loaders import cpu_ops
+
+BATCH, SIZE = 64, 224
+BOUND = "one-process decode bound"
+SETTINGS = ImageSettings()
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--raw", help="class folders of photos (default: demo photos, generated)")
+    ap.add_argument("--photos", type=int, default=400)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=9, help="loading and machinery rounds")
+    ap.add_argument("--convert-rounds", type=int, default=3)
+    ap.add_argument("--epochs", type=int, default=4, help="timed epochs per loader, after the first")
+    ap.add_argument("--json", default="bench-results/peers.json")
+    return ap.parse_args(argv)
+
+
+def summary(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "low": min(values), "high": max(values), "n": len(values)}
+
+
+def interleaved(variants: dict, rounds: int, seed: int = 0) -> dict[str, list]:
+    """Every variant once per round, in a shuffled order; each call returns a dict of figures."""
+    out: dict[str, list] = {k: [] for k in variants}
+    rng = random.Random(seed)
+    for r in range(rounds):
+        names = list(variants)
+        rng.shuffle(names)
+        for name in names:
+            out[name].append(variants[name]())
+        print(f"  round {r + 1}/{rounds}", flush=True)
+    return out
+
+
+# -- the photos and their conversion ---------------------------------------------------------------------------
+def photos(args, base: Path) -> Path:
+    if args.raw:
+        return Path(args.raw)
+    from fastpipe.demo import DemoConfig, make_demo_data
+
+    make_demo_data(DemoConfig(base / "raw", count=args.photos, width=1632, height=1224))
+    return base / "raw"
+
+
+def items_of(raw: Path, rejected: set[str]) -> list[tuple[str, int]]:
+    classes = sorted(p.name for p in raw.iterdir() if p.is_dir())
+    return [(str(f), c) for c, name in enumerate(classes) for f in sorted((raw / name).rglob("*"))
+            if f.is_file() and not f.name.startswith(".") and str(f) not in rejected]
+
+
+def convert_one(item: tuple[str, int]) -> dict:
+    """The per-image work every tool gets: fastpipe's own (the peers would otherwise do less)."""
+    e = process(Path(item[0]).read_bytes(), SETTINGS)
+    assert isinstance(e, Encoded), item
+    return {"image": e.jpeg, "label": item[1]}
+
+
+def convert_fastpipe(raw: Path, out: Path, workers: int) -> None:
+    from fastpipe.convert.driver import ShardConfig, shard
+
+    # No val split: the loaders then read the same images as the peers, which convert everything.
+    shard(ShardConfig(raw, out, workers=workers, max_shard_size=4 * 2**20, val_fraction=0))
+
+
+def convert_litdata(items, out: Path, workers: int) -> None:
+    from litdata import optimize
+
+    optimize(fn=convert_one, inputs=items, output_dir=str(out), num_workers=workers, chunk_bytes="4MB",
+             verbose=False, start_method="fork")
+
+
+def convert_mosaic(items, out: Path, workers: int) -> None:
+    from streaming import MDSWriter
+
+    with MDSWriter(out=str(out), columns={"image": "bytes", "label": "int"}, size_limit=4 * 2**20) as w, \
+            multiprocessing.get_context("fork").Pool(workers) as pool:
+        for sample in pool.imap(convert_one, items, chunksize=4):
+            w.write(sample)
+
+
+def conversion(raw: Path, items, base: Path, args) -> dict:
+    tools = {"fastpipe": lambda o: convert_fastpipe(raw, o, args.workers),
+             "litdata": lambda o: convert_litdata(items, o, args.workers),
+             "mosaic": lambda o: convert_mosaic(items, o, args.workers)}
+
+    def timed(name):
+        out = base / f"conv-{name}"
+        shutil.rmtree(out, ignore_errors=True)
+        t = time.perf_counter()
+        tools[name](out)
+        return {"img_per_s": len(items) / (time.perf_counter() - t)}
+
+    print("conversion (in-call, same per-image work):", flush=True)
+    runs = interleaved({k: (lambda k=k: timed(k)) for k in tools}, args.convert_rounds)
+    sample = items[:60]
+    t = time.perf_counter()
+    for it in sample:
+        convert_one(it)
+    bound = len(sample) / (time.perf_counter() - t)
+    res = {k: summary([r["img_per_s"] for r in v]) for k, v in runs.items()}
+    return {"rates": res, "bound_per_process": bound,
+            "fastpipe_vs_bound": res["fastpipe"]["median"] / (args.workers * bound),
+            **{f"fastpipe_vs_{k}": res["fastpipe"]["median"] / res[k]["median"] for k in ("litdata", "mosaic")}}
+
+
+def overheads(items) -> dict:
+    """Shares of one image's conversion time: mean/std accumulation and hashing (source bytes for deduplication,
+    the stored JPEG as part of its shard's checksum)."""
+    import hashlib
+
+    from PIL import Image
+
+    from fastpipe.convert.images import channel_sums
+
+    t_all = t_stats = t_hash = 0.0
+    for path, _ in items[:40]:
+        data = Path(path).read_bytes()
+        t = time.perf_counter()
+        e = process(data, SETTINGS)
+        t_all += time.perf_counter() - t
+        im = Image.open(__import__("io").BytesIO(e.jpeg)).convert("RGB")
+        im.load()
+        t = time.perf_counter()
+        channel_sums(im)
+        t_stats += time.perf_counter() - t
+        t = time.perf_counter()
+        hashlib.sha256(data).digest()
+        hashlib.sha256(e.jpeg).digest()
+        t_hash += time.perf_counter() - t
+    return {"mean_std_share": t_stats / (t_all + t_hash), "hash_share": t_hash / (t_all + t_hash)}
+
+
+# -- the per-sample machinery: bytes fetched, shuffled and handed over, one process, no decode -------------------
+def machinery_fastpipe(fp: Path, epochs: int) -> float:
+    from fastpipe.loaders.config import LoaderConfig
+    from fastpipe.loaders.rng import SampleRng
+    from fastpipe.loaders.shards import ShardSet
+    from fastpipe.loaders.stream import SampleStream, train_order
+    from fastpipe.manifest import load
+
+    m = load(fp)
+    cfg = LoaderConfig(batch_size=BATCH, image_size=SIZE, device="cpu").resolved()
+    shards = ShardSet(m, "train")
+
+    def handed(raw, positions, epoch):  # what a worker has before decoding: bytes, label, crop generator
+        rngs = SampleRng.batch((cfg.seed, epoch), positions)
+        return sum(len(im) > 0 and r.random() >= 0 for im, r in zip(raw.images, rngs))
+
+    stream = SampleStream(shards, cfg, handed, train_order(shards, cfg, m))
+    n, t = 0, time.perf_counter()
+    for e in range(epochs):
+        stream.epoch[0] = e
+        n += sum(stream)
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def machinery_litdata(out: Path, epochs: int) -> float:
+    from litdata import StreamingDataset
+
+    ds = StreamingDataset(str(out), shuffle=True)
+    n, t = 0, time.perf_counter()
+    for e in range(epochs):
+        ds.set_epoch(e + 1)
+        for item in ds:
+            n += len(item["image"]) > 0
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def machinery_mosaic(out: Path, epochs: int) -> float:
+    from streaming import StreamingDataset
+    from streaming.base.util import clean_stale_shared_memory
+
+    clean_stale_shared_memory()
+    ds = StreamingDataset(local=str(out), shuffle=True, batch_size=BATCH)
+    n, t = 0, time.perf_counter()
+    for _ in range(epochs):
+        for item in ds:
+            n += len(item["image"]) > 0
+    del ds
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def machinery_webdataset(fp: Path, epochs: int) -> float:
+    import webdataset as wds
+
+    urls = sorted(str(p) for p in fp.glob("train-*.tar"))
+    ds = wds.WebDataset(urls, shardshuffle=100, empty_check=False).shuffle(1000)
+    n, t = 0, time.perf_counter()
+    for _ in range(epochs):
+        for item in ds:
+            n += len(item["jpg"]) > 0
+    return (time.perf_counter() - t) / n * 1e6
+
+
+# -- loading: DataLoader workers, batch 64, crop 224 + flip → uint8 --------------------------------------------
+_RNG = np.random.default_rng()
+
+
+def decode_same(data) -> torch.Tensor:
+    return torch.from_numpy(cpu_ops.decode_train(data, SIZE, _RNG))
+
+
+_TV = None
+
+
+def decode_idiomatic(data) -> torch.Tensor:
+    """simplejpeg + torchvision transforms v2 on the uint8 tensor: what a peer's user writes."""
+    global _TV
+    import simplejpeg
+    from torchvision.transforms import v2
+
+    if _TV is None:
+        _TV = v2.Compose([v2.RandomResizedCrop(SIZE, antialias=True), v2.RandomHorizontalFlip()])
+    return _TV(torch.from_numpy(simplejpeg.decode_jpeg(bytes(data), fastdct=True)).permute(2, 0, 1))
+
+
+DECODERS = {"same": decode_same, "idiomatic": decode_idiomatic}
+
+
+def _litdata_class():
+    from litdata import StreamingDataset
+
+    class Decoded(StreamingDataset):
+        def __init__(self, *a, decode="same", **k):
+            super().__init__(*a, **k)
+            self.decode = decode
+
+        def __getitem__(self, index):
+            item = super().__getitem__(index)
+            return DECODERS[self.decode](item["image"]), item["label"]
+
+    return Decoded
+
+
+def _mosaic_class():
+    from streaming import StreamingDataset
+
+    class Decoded(StreamingDataset):
+        def __init__(self, *a, decode="same", **k):
+            super().__init__(*a, **k)
+            self.decode = decode
+
+        def __getitem__(self, index):
+            item = super().__getitem__(index)
+            return DECODERS[self.decode](item["image"]), item["label"]
+
+    return Decoded
+
+
+def _wds_decode(decode: str):
+    def fn(sample):
+        return DECODERS[decode](sample["jpg"]), int(sample["cls"])
+
+    return fn
+
+
+def loaders(paths: dict, workers: int) -> dict:
+    """name → a function building (iterable, set_epoch)."""
+    from torch.utils.data import DataLoader
+
+    from fastpipe import make_loader
+
+    def fastpipe():
+        loader = make_loader(paths["fastpipe"], "torch", batch_size=BATCH, image_size=SIZE, num_workers=workers,
+                             device="cpu", normalize=False)
+        return loader, loader.set_epoch
+
+    def litdata(decode):
+        from litdata import StreamingDataLoader
+
+        ds = _litdata_class()(str(paths["litdata"]), shuffle=True, drop_last=True, decode=decode)
+        loader = StreamingDataLoader(ds, batch_size=BATCH, num_workers=workers, drop_last=True,
+                                     persistent_workers=True)
+        return loader, lambda e: None  # its loader counts the epochs itself
+
+    def mosaic(decode):
+        from streaming.base.util import clean_stale_shared_memory
+
+        clean_stale_shared_memory()
+        ds = _mosaic_class()(local=str(paths["mosaic"]), shuffle=True, batch_size=BATCH, decode=decode)
+        return DataLoader(ds, batch_size=BATCH, num_workers=workers, drop_last=True,
+                          persistent_workers=True), lambda e: None
+
+    def webdataset(decode):
+        import webdataset as wds
+
+        urls = sorted(str(p) for p in Path(paths["fastpipe"]).glob("train-*.tar"))
+        ds = wds.WebDataset(urls, shardshuffle=100, empty_check=False).shuffle(1000).map(_wds_decode(decode)) \
+            .batched(BATCH, partial=False)
+        return wds.WebLoader(ds, batch_size=None, num_workers=workers, persistent_workers=True), lambda e: None
+
+    out = {"fastpipe": fastpipe}
+    for d in DECODERS:
+        out[f"litdata, {d} decode"] = lambda d=d: litdata(d)
+        out[f"mosaic, {d} decode"] = lambda d=d: mosaic(d)
+        out[f"webdataset, {d} decode"] = lambda d=d: webdataset(d)
+    return out
+
+
+def run_loader(build, epochs: int) -> dict:
+    """First epoch (construction + worker start + the epoch) in seconds, then images/s over `epochs` more."""
+    t = time.perf_counter()
+    loader, set_epoch = build()
+    first = sum(len(x) for x, _ in loader)
+    first_s = time.perf_counter() - t
+    n, t = 0, time.perf_counter()
+    for e in range(1, epochs + 1):
+        set_epoch(e)
+        n += sum(len(x) for x, _ in loader)
+    rate = n / (time.perf_counter() - t)
+    # Teardown, timed apart and finished here: a loader whose workers are still being joined when the next
+    # variant starts would charge that variant (litdata's took 10 s, torch's join timeout per worker).
+    t = time.perf_counter()
+    if hasattr(loader, "close"):
+        loader.close()
+    del loader, set_epoch
+    gc.collect()
+    return {"first_epoch_s": first_s, "first_epoch_images": first, "img_per_s": rate,
+            "teardown_s": time.perf_counter() - t}
+
+
+def decode_bound(fp: Path, passes: int = 2) -> dict:
+    """One process, no loader: decode + random-resized-crop + flip → uint8 of the stored images."""
+    from fastpipe.loaders.epoch import Piece
+    from fastpipe.loaders.shards import ShardSet
+    from fastpipe.manifest import load
+
+    shards = ShardSet(load(fp), "train")
+    datas = [s.image for i, n in enumerate(shards.counts) for s in shards.read_piece(Piece(i, 0, n))]
+    for d in datas[:20]:
+        decode_same(d)
+    t = time.perf_counter()
+    for d in datas * passes:
+        decode_same(d)
+    return {"img_per_s": passes * len(datas) / (time.perf_counter() - t)}
+
+
+def main(args) -> dict:
+    torch.set_num_threads(1)  # the main process only collates; the workers decode
+    base = Path(tempfile.mkdtemp(prefix="fp-peers-"))
+    try:
+        raw = photos(args, base)
+        convert_fastpipe(raw, base / "fp", args.workers)  # warm-up; its rejections are left out for the peers
+        rejected = {json.loads(line)["path"] for line in (base / "fp" / "rejected.jsonl").read_text().splitlines()}
+        items = items_of(raw, {str(raw / p) for p in rejected} | rejected)
+        conv = conversion(raw, items, base, args)
+        paths = {"fastpipe": base / "fp", "litdata": base / "conv-litdata", "mosaic": base / "conv-mosaic"}
+        print("per-sample machinery:", flush=True)
+        mach = interleaved({
+            "fastpipe": lambda: machinery_fastpipe(paths["fastpipe"], 10),
+            "litdata": lambda: machinery_litdata(paths["litdata"], 10),
+            "mosaic": lambda: machinery_mosaic(paths["mosaic"], 10),
+            "webdataset": lambda: machinery_webdataset(paths["fastpipe"], 10)}, args.rounds)
+        print("loading:", flush=True)
+        variants = {k: (lambda b=b: run_loader(b, args.epochs)) for k, b in loaders(paths, args.workers).items()}
+        variants[BOUND] = lambda: decode_bound(paths["fastpipe"])
+        load_runs = interleaved(variants, args.rounds)
+        return report(args, conv, overheads(items), mach, load_runs, len(items))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def report(args, conv, over, mach, load_runs, photos_n) -> dict:
+    bound = load_runs.pop(BOUND)
+    rate = {k: summary([r["img_per_s"] for r in v]) for k, v in load_runs.items()}
+    first = {k: summary([r["first_epoch_s"] for r in v]) for k, v in load_runs.items()}
+    # Ratios of paired rounds (the same round's runs), then their median: drift cancels within a round.
+    paired = {k: summary([a["img_per_s"] / b["img_per_s"] for a, b in zip(load_runs["fastpipe"], v)])
+              for k, v in load_runs.items() if k != "fastpipe"}
+    vs_bound = summary([a["img_per_s"] / (args.workers * b["img_per_s"]) for a, b in zip(load_runs["fastpipe"], bound)])
+    first_vs = {k: summary([b["first_epoch_s"] / a["first_epoch_s"] for a, b in zip(load_runs["fastpipe"], v)])
+                for k, v in load_runs.items() if k != "fastpipe"}
+    return {"photos": photos_n, "workers": args.workers, "rounds": args.rounds, "batch": BATCH, "size": SIZE,
+            "conversion": {**conv, **over},
+            "machinery_us": {k: summary(v) for k, v in mach.items()},
+            "loading": {"img_per_s": rate, "first_epoch_s": first, "fastpipe_over_peer": paired,
+                        "peer_first_epoch_over_fastpipe": first_vs,
+                        "bound_per_process": summary([b["img_per_s"] for b in bound]), "fastpipe_vs_bound": vs_bound},
+            "versions": _versions()}
+
+
+def _versions() -> dict:
+    import importlib.metadata as md
+
+    out = {}
+    for name in ("torch", "torchvision", "litdata", "mosaicml-streaming", "webdataset", "simplejpeg", "numpy"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def table(res: dict) -> str:
+    c, m, ld = res["conversion"], res["machinery_us"], res["loading"]
+    lines = [f"{res['photos']} photos, {res['workers']} workers, {res['rounds']} rounds (median, range)", "",
+             "conversion, images/s in the call:"]
+    lines += [f"  {k:<12} {v['median']:8.1f}  ({v['low']:.1f}-{v['high']:.1f})" for k, v in c["rates"].items()]
+    lines += [f"  fastpipe ÷ litdata {c['fastpipe_vs_litdata']:.2f}, ÷ mosaic {c['fastpipe_vs_mosaic']:.2f}, "
+              f"÷ (workers × one-process bound {c['bound_per_process']:.1f}) {c['fastpipe_vs_bound']:.2f}; "
+              f"mean/std {c['mean_std_share']:.1%} and hashing {c['hash_share']:.1%} of an image's time", "",
+              "per-sample machinery (µs: bytes fetched, shuffled, handed to decode; one process):"]
+    lines += [f"  {k:<12} {v['median']:8.2f}  ({v['low']:.2f}-{v['high']:.2f})" for k, v in m.items()]
+    lines += ["", "loading, images/s after the first epoch; first epoch (s); fastpipe ÷ it (paired rounds):"]
+    for k, v in ld["img_per_s"].items():
+        ratio = ld["fastpipe_over_peer"].get(k)
+        lines.append(f"  {k:<28} {v['median']:8.0f}  ({v['low']:.0f}-{v['high']:.0f})  "
+                     f"{ld['first_epoch_s'][k]['median']:6.2f} s"
+                     + (f"   {ratio['median']:.2f} ({ratio['low']:.2f}-{ratio['high']:.2f})" if ratio else ""))
+    b, vb = ld["bound_per_process"], ld["fastpipe_vs_bound"]
+    lines.append(f"  one-process decode bound {b['median']:.0f} img/s ({b['low']:.0f}-{b['high']:.0f}); fastpipe ÷ "
+                 f"(workers × bound) {vb['median']:.2f} ({vb['low']:.2f}-{vb['high']:.2f})")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    a = parse_args()
+    result = main(a)
+    print(table(result))
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps(result, indent=1))

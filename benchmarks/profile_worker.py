@@ -1,0 +1,82 @@
+"""Where a loader worker's time goes: the torch backend's whole per-batch path run in this process
+(num_workers=0, so the profiler sees it), grouped into decode, resize + flip, crop draws, machinery (plan, shard
+reading, labels) and batch assembly.
+
+    python benchmarks/profile_worker.py --shards OUT [--epochs 6] [--json bench-results/worker-profile.json]
+
+cProfile adds a fixed cost per Python call, so the Python-heavy groups (machinery, draws) read high; the split is
+what to optimise next, the loaders' speed comes from bench_loaders.py and bench_peers.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+from pathlib import Path
+
+import torch
+
+from fastpipe import make_loader
+
+# (group, test on "file:function") — the first match wins; what matches none is assembly and the loop itself.
+GROUPS = [
+    ("decode (simplejpeg / Pillow)", lambda f: f.endswith(("decode_jpeg", "decode_jpeg_header", ":_header"))
+     or "ImagingDecoder" in f or "ImageFile.py" in f),
+    ("resize + flip (OpenCV)", lambda f: f.endswith(("resize", "flip")) or "ImagingCore" in f),
+    ("crop and flip draws", lambda f: "rng.py" in f or "random_resized_crop_box" in f or "draw_train_params" in f),
+    ("machinery: plan, shard reading, labels", lambda f: any(m in f for m in ("shards.py", "epoch.py", "stream.py",
+                                                                               "shardformat.py", "mmap"))),
+]
+
+
+def profile(shards: str, epochs: int) -> dict:
+    torch.set_num_threads(1)
+    loader = make_loader(shards, "torch", batch_size=64, image_size=224, num_workers=0, device="cpu",
+                         normalize=False)
+
+    def run():
+        n = 0
+        for e in range(epochs):
+            loader.set_epoch(e)
+            n += sum(len(x) for x, _ in loader)
+        return n
+
+    run()  # warm: memory maps, page cache
+    prof = cProfile.Profile()
+    images = prof.runcall(run)
+    stats = pstats.Stats(prof).stats  # {(file, line, func): (cc, nc, tottime, cumtime, callers)}
+    groups = {g: 0.0 for g, _ in GROUPS}
+    other = total = 0.0
+    for (file, _line, func), (_cc, _nc, tottime, _cum, _callers) in stats.items():
+        total += tottime
+        key = f"{file}:{func}"
+        for g, test in GROUPS:
+            if test(key):
+                groups[g] += tottime
+                break
+        else:
+            other += tottime
+    groups["batch assembly, loop, the rest"] = other
+    return {"images": images, "us_per_image": {g: 1e6 * t / images for g, t in groups.items()},
+            "share": {g: t / total for g, t in groups.items()}, "total_us_per_image": 1e6 * total / images}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shards", required=True)
+    ap.add_argument("--epochs", type=int, default=6)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    res = profile(a.shards, a.epochs)
+    print(f"{res['images']} images, {res['total_us_per_image']:.0f} µs each under the profiler")
+    for g, us in res["us_per_image"].items():
+        print(f"  {g:<42} {us:8.1f} µs  {res['share'][g]:6.1%}")
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
