@@ -36,11 +36,14 @@ def one_thread(_worker_id: int = 0) -> None:
         cv2.setNumThreads(1)
 
 
+_LOG_RATIO = (math.log(3 / 4), math.log(4 / 3))
+
+
 def random_resized_crop_box(w: int, h: int, rng: np.random.Generator, min_scale: float = 0.08,
                             ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> tuple[int, int, int, int]:
     """torchvision's RandomResizedCrop box (x0, y0, x1, y1): 10 tries, then a centre crop fallback."""
     area = w * h
-    log_r = (math.log(ratio[0]), math.log(ratio[1]))
+    log_r = _LOG_RATIO if ratio == (3 / 4, 4 / 3) else (math.log(ratio[0]), math.log(ratio[1]))
     for _ in range(10):
         target = area * rng.uniform(min_scale, 1.0)
         aspect = math.exp(rng.uniform(*log_r))

@@ -65,9 +65,10 @@ class CpuDecode(_Prepare):
     def __call__(self, raw: RawBatch, positions, epoch: int) -> HostBatch:
         cfg, n = self.cfg, len(raw)
         buffer, slot = self.buffers.take()
+        pixels = buffer.numpy()  # one numpy view of the batch: indexing it per image is ~50x cheaper than a tensor's
         good, skipped = [], []
         for i, (image, rng) in enumerate(zip(raw.images, self.rngs(epoch, positions))):
-            out = buffer[i].numpy()  # decoded straight into the batch
+            out = pixels[i]  # decoded straight into the batch
             try:
                 if self.train:
                     cpu_ops.decode_train(image, cfg.image_size, rng, cfg.min_scale, cfg.cpu_decoder, out)
