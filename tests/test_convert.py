@@ -443,7 +443,7 @@ def test_conversion_pool_forks_only_where_that_is_safe(monkeypatch):
     """fork (fast; no re-import of the caller's main module) unless a DALI pipeline or a CUDA context lives here."""
     import sys
 
-    from fastpipe.convert.driver import _pool_context
+    from fastpipe.util import pool_context as _pool_context
 
     monkeypatch.delitem(sys.modules, "nvidia.dali", raising=False)
     assert _pool_context().get_start_method() == "fork"

@@ -12,7 +12,6 @@ import signal
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from multiprocessing import get_context
 from pathlib import Path
 
 from tqdm import tqdm
@@ -31,6 +30,7 @@ from fastpipe.util import (
     FolderLock,
     NotRegularFile,
     local_path,
+    pool_context,
     read_regular,
     usable_cores,
     write_json_atomic,
@@ -206,21 +206,8 @@ class _SplitRun:
         self._closed(None, done=True)  # rejections after it, and the mark that the split is complete
 
 
-def _pool_context():
-    """fork where it is safe: workers start at once and do not re-import the caller's main module (a script that
-    imports torch made every spawned worker import torch too: seconds each, a sixth of a 400-photo conversion).
-    spawn when the parent holds state a fork would copy broken: an initialised CUDA context, or a DALI pipeline
-    (whose forked copy hangs in its destructor: loaders/stream.py)."""
-    import sys
-
-    torch = sys.modules.get("torch")
-    if "nvidia.dali" in sys.modules or (torch is not None and torch.cuda.is_initialized()):
-        return get_context("spawn")
-    return get_context("fork")
-
-
 def _make_pool(workers: int, cfg: ShardConfig):
-    return _pool_context().Pool(workers, initializer=_init_worker,
+    return pool_context().Pool(workers, initializer=_init_worker,
                                 initargs=(cfg.image_settings(), cfg.max_file_size, True))
 
 
