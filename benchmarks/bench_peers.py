@@ -249,25 +249,10 @@ def decode_idiomatic(data) -> torch.Tensor:
 DECODERS = {"same": decode_same, "idiomatic": decode_idiomatic}
 
 
-def _litdata_class():
-    from litdata import StreamingDataset
+def _decoded(base):
+    """A peer's dataset class whose items are decoded (image tensor, label) pairs: what its users subclass."""
 
-    class Decoded(StreamingDataset):
-        def __init__(self, *a, decode="same", **k):
-            super().__init__(*a, **k)
-            self.decode = decode
-
-        def __getitem__(self, index):
-            item = super().__getitem__(index)
-            return DECODERS[self.decode](item["image"]), item["label"]
-
-    return Decoded
-
-
-def _mosaic_class():
-    from streaming import StreamingDataset
-
-    class Decoded(StreamingDataset):
+    class Decoded(base):
         def __init__(self, *a, decode="same", **k):
             super().__init__(*a, **k)
             self.decode = decode
@@ -298,9 +283,9 @@ def loaders(paths: dict, workers: int) -> dict:
         return loader, loader.set_epoch
 
     def litdata(decode):
-        from litdata import StreamingDataLoader
+        from litdata import StreamingDataLoader, StreamingDataset
 
-        ds = _litdata_class()(str(paths["litdata"]), shuffle=True, drop_last=True, decode=decode)
+        ds = _decoded(StreamingDataset)(str(paths["litdata"]), shuffle=True, drop_last=True, decode=decode)
         loader = StreamingDataLoader(ds, batch_size=BATCH, num_workers=workers, drop_last=True,
                                      persistent_workers=True)
         return loader, lambda e: None  # its loader counts the epochs itself
@@ -309,7 +294,9 @@ def loaders(paths: dict, workers: int) -> dict:
         from streaming.base.util import clean_stale_shared_memory
 
         clean_stale_shared_memory()
-        ds = _mosaic_class()(local=str(paths["mosaic"]), shuffle=True, batch_size=BATCH, decode=decode)
+        from streaming import StreamingDataset
+
+        ds = _decoded(StreamingDataset)(local=str(paths["mosaic"]), shuffle=True, batch_size=BATCH, decode=decode)
         return DataLoader(ds, batch_size=BATCH, num_workers=workers, drop_last=True,
                           persistent_workers=True), lambda e: None
 
