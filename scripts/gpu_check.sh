@@ -25,7 +25,15 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 SUMMARY=()
 note() { echo "$*" | tee -a "$LOG"; SUMMARY+=("$*"); }
 has() { $PY -c "import $1" 2>/dev/null; }
-run() { local t=$1; shift; echo "\$ $*" >>"$LOG"; timeout "$t" "$@" >>"$LOG" 2>&1; }
+# The whole script stays within GPU_CHECK_SECONDS (default 540: under the device tool's 10-minute call limit):
+# each step gets at most what is left, and a step with under 15 s left is skipped, saying so.
+DEADLINE=$(( $(date +%s) + ${GPU_CHECK_SECONDS:-540} ))
+run() {
+  local t=$1 left=$(( DEADLINE - $(date +%s) )); shift
+  if [ "$left" -lt 15 ]; then echo "SKIP (time budget spent): $*" | tee -a "$LOG"; return 124; fi
+  [ "$left" -lt "$t" ] && t=$left
+  echo "\$ $*" >>"$LOG"; timeout "$t" "$@" >>"$LOG" 2>&1
+}
 
 note "== $(date -u +%FT%TZ) $($PY -c 'import torch, torchvision; print("torch", torch.__version__, "torchvision", torchvision.__version__, "cuda", torch.cuda.is_available())')"
 run 60 $PY -m fastpipe doctor
