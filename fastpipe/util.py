@@ -145,7 +145,7 @@ def command_line() -> str:
 def pool_context():
     """The multiprocessing context for a pool of plain Python workers (the converter's). fork where it is safe:
     workers start at once and do not re-import the caller's main module (a script that imports torch made every
-    spawned worker import torch too: seconds each, a sixth of a 400-photo conversion). spawn when the parent
+    spawned worker import torch too, seconds each). spawn when the parent
     holds state a fork would copy broken: an initialised CUDA context, or a DALI pipeline (whose forked copy
     hangs in its destructor: loaders/stream.py)."""
     import multiprocessing

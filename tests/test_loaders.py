@@ -259,6 +259,24 @@ def test_a_val_sample_that_fails_is_left_out_not_counted_twice(converted, tmp_pa
     assert seen == load(out).splits["val"].samples - 1 and loader.stats.skipped == 1
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stored_label_outside_the_classes_is_named(converted, tmp_path, workers):
+    """A `.lbl` record altered in place (same size): the batch-wise label read names the shard and the sample."""
+    from fastpipe.errors import DataError
+
+    out = tmp_path / "badlabel"
+    shutil.copytree(converted, out)
+    s = load(out).splits["train"].shards[0]
+    key, parts = read_index(out / s.index)[2]
+    off, size = parts["lbl"]
+    data = bytearray((out / s.path).read_bytes())
+    data[off : off + size] = np.int32(99).tobytes()
+    (out / s.path).write_bytes(bytes(data))
+    loader = make_loader(out, "torch", num_workers=workers, **KW)
+    with pytest.raises(DataError, match=rf"{s.path}, sample '{key}': label 99 is outside the"):
+        list(loader)
+
+
 def test_missing_or_truncated_shard_is_named(converted, tmp_path):
     out = tmp_path / "broken"
     shutil.copytree(converted, out)

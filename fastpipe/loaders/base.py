@@ -75,16 +75,17 @@ class DeviceStep:
     def finish(self, x: torch.Tensor) -> torch.Tensor:
         """NCHW uint8 or float 0..255 on the device → the contract's output (augmented, for a train batch)."""
         x = x.contiguous(memory_format=torch.channels_last)
-        aug, g = self.augment, self.gen
-        if aug is not None and g is not None and aug.spec.pixel_ops:
-            x = aug.pixels(x.float(), g)
+        g = self.gen
+        spec = self.augment.spec if self.augment is not None and g is not None else None
+        if spec is not None and spec.pixel_ops:
+            x = self.augment.pixels(x.float(), g)
         if not self.normalize:
-            if aug is not None and g is not None and aug.spec.erase:
-                x = aug.erase((x.float() - 127.5) / 64, g) * 64 + 127.5  # noise spread as on normalised images
+            if spec is not None and spec.erase:
+                x = self.augment.erase((x.float() - 127.5) / 64, g) * 64 + 127.5  # noise spread as when normalised
             return x if x.dtype == torch.uint8 else x.round_().clamp_(0, 255).to(torch.uint8)
         x = x.float().sub_(self.mean).div_(self.std)
-        if aug is not None and g is not None and aug.spec.erase:
-            x = aug.erase(x, g)
+        if spec is not None and spec.erase:
+            x = self.augment.erase(x, g)
         return x
 
     def labels(self, y: torch.Tensor) -> torch.Tensor:

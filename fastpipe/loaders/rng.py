@@ -1,9 +1,9 @@
 """Per-sample randomness: each sample's crop and flip derive from (seed, epoch, position in the epoch's sequence)
 alone, so they do not depend on which rank or worker decodes it, and a resumed run repeats them exactly.
 
-A numpy Generator per sample costs ~30 us to create; this splitmix64 stream costs ~1 us per draw in Python, and
-`SampleRng.batch` computes a whole batch's streams and their first draws with numpy at once (the same numbers,
-well under 1 us per sample: benchmarks/bench_peers.py measures the per-sample machinery). Statistical quality is
+A numpy Generator per sample is costly to create; this splitmix64 stream is a few integer operations per draw,
+and `SampleRng.batch` computes a whole batch's streams and their first draws with numpy at once (the same
+numbers; benchmarks/profile_worker.py shows the draws' share of a worker's time). Statistical quality is
 splitmix64's (it passes BigCrush), more than augmentation needs.
 """
 
@@ -44,10 +44,10 @@ class SampleRng:
         self._s, self._ready = _state(key), None
 
     @classmethod
-    def batch(cls, key: tuple[int, ...], last: np.ndarray, draws: int = 8) -> list[SampleRng]:
-        """[SampleRng(*key, p) for p in last], each with its first `draws` numbers computed at once."""
+    def batch(cls, key: tuple[int, ...], positions: np.ndarray, draws: int = 8) -> list[SampleRng]:
+        """[SampleRng(*key, p) for p in positions], each with its first `draws` numbers computed at once."""
         with np.errstate(over="ignore"):
-            s = _mix_np((np.uint64(_state(key)) ^ np.asarray(last).astype(np.uint64)) + np.uint64(_GAMMA))
+            s = _mix_np((np.uint64(_state(key)) ^ np.asarray(positions).astype(np.uint64)) + np.uint64(_GAMMA))
             steps = s[:, None] + np.arange(1, draws + 1, dtype=np.uint64) * np.uint64(_GAMMA)
             values = (_mix_np(steps) >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
         out = []

@@ -136,9 +136,12 @@ class ShardSet:
             mv = self._views[shard] = memoryview(self._map(shard))
         data = mv[offset : offset + size]
         if len(data) != size:
-            raise ShardError(f"shard {self.paths[shard]} ends before byte {offset + size}: the file was truncated "
-                             f"after the loader opened it; copy it again")
+            self._truncated(shard, offset + size)
         return data
+
+    def _truncated(self, shard: int, end: int):
+        raise ShardError(f"shard {self.paths[shard]} ends before byte {end}: the file was truncated after the loader "
+                         f"opened it; copy it again")
 
     def _array(self, shard: int) -> np.ndarray:
         a = self._arrays.get(shard)
@@ -147,11 +150,7 @@ class ShardSet:
         return a
 
     def _bytes(self, shard: int, offset: int, size: int) -> bytes:
-        data = self._map(shard)[offset : offset + size]
-        if len(data) != size:
-            raise ShardError(f"shard {self.paths[shard]} ends before byte {offset + size}: the file was truncated "
-                             f"after the loader opened it; copy it again")
-        return data
+        return bytes(self._view(shard, offset, size))
 
     def sample(self, i: int, shard: int | None = None) -> RawSample:
         shard = int(self.shard_of(i)) if shard is None else shard
@@ -182,8 +181,7 @@ class ShardSet:
             where = offsets[rows][:, None] + np.arange(width)
             data = self._array(s)
             if where.size and where.max() >= len(data):
-                raise ShardError(f"shard {self.paths[s]} ends before byte {where.max() + 1}: the file was truncated "
-                                 f"after the loader opened it; copy it again")
+                self._truncated(s, int(where.max()) + 1)
             raw[rows] = data[where]
         if self.multilabel:
             return torch.from_numpy((raw != 0).astype(np.float32))
@@ -211,14 +209,17 @@ class ShardSet:
         return label
 
     def sample_weights(self, class_weights) -> np.ndarray:
-        """Each sample's weight for class-balanced sampling, from its label(s) read once: the class weight, or for
-        a label set its rarest label's (1 for an image with no label)."""
-        w = np.asarray(class_weights, dtype=np.float64)
+        """Each sample's weight for class-balanced sampling, from its label(s) read once, a shard at a time: the
+        class weight, or for a label set its rarest label's (1 for an image with no label)."""
+        w = torch.as_tensor(np.asarray(class_weights, dtype=np.float64))
         out = np.empty(self.total, np.float64)
         for s in range(len(self.paths)):
-            for i in range(int(self.starts[s]), int(self.starts[s + 1])):
-                label = self.label(i, s, self._bytes(s, int(self.offsets[i, 1]), int(self.sizes[i, 1])))
-                out[i] = (max((w[k] for k in label), default=1.0) if self.multilabel else w[label])
+            ids = np.arange(int(self.starts[s]), int(self.starts[s + 1]))
+            y = self.labels(ids, np.full(len(ids), s), self.offsets[ids, 1], self.sizes[ids, 1])
+            if self.multilabel:  # the largest weight among the present labels; 1 where none is present
+                out[ids] = torch.where(y > 0, w, 0.0).amax(1).where(y.sum(1) > 0, 1.0).numpy()
+            else:
+                out[ids] = w[y].numpy()
         return out
 
     def source(self, i: int) -> str | None:
