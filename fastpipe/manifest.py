@@ -99,6 +99,14 @@ class Manifest:
     outputs: dict = field(default_factory=dict)
     # "single": one class per image; "multilabel": a set of labels per image (class_counts then count positives)
     task: str = "single"
+    # A data set in object storage (storage.Remote: its URL, how to reach it, where its shards are cached); then
+    # `root` is the local cache folder. Not serialised, and never printed (it may hold credentials).
+    remote: object = field(default=None, repr=False, compare=False)
+
+    @property
+    def location(self) -> str:
+        """Where the data set is, for messages and records: its URL, or its folder."""
+        return self.remote.url if self.remote is not None else str(self.root)
 
     @property
     def multilabel(self) -> bool:
@@ -124,7 +132,7 @@ class Manifest:
     def split(self, name: str) -> SplitInfo:
         if name not in self.splits or not self.splits[name].shards:
             have = sorted(k for k, v in self.splits.items() if v.shards)
-            raise ManifestError(f"{self.root}: no '{name}' split (this data set has: {', '.join(have)})")
+            raise ManifestError(f"{self.location}: no '{name}' split (this data set has: {', '.join(have)})")
         return self.splits[name]
 
     def shard_paths(self, split: str) -> list[str]:
@@ -295,8 +303,15 @@ class _Check:
         return Stats(pixels, vecs[0], vecs[1])
 
 
-def load(folder: str | os.PathLike) -> Manifest:
-    """Read OUT/dataset.json (or a path to the file itself) with errors that say what to do."""
+def load(folder: str | os.PathLike, storage_options: dict | None = None, cache_dir: str | os.PathLike | None = None,
+         cache_limit: int | str | None = None) -> Manifest:
+    """Read OUT/dataset.json (or a path to the file itself) with errors that say what to do. OUT may be a URL
+    (s3://, gs://, az://, http(s)://...): its shards are then read through a node-local cache (cache.py) in
+    `cache_dir` (default ~/.cache/fastpipe/shards or $FASTPIPE_CACHE), kept under `cache_limit` ("50GB")."""
+    from fastpipe.storage import is_url
+
+    if is_url(os.fspath(folder)):
+        return _load_remote(os.fspath(folder), storage_options, cache_dir, cache_limit)
     from fastpipe.util import local_path
 
     path = local_path(folder, "data set")
@@ -310,3 +325,24 @@ def load(folder: str | os.PathLike) -> Manifest:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ManifestError(f"{path} is damaged ({type(e).__name__}: {e}); re-run the conversion") from e
     return from_dict(data, path.parent)
+
+
+def _load_remote(url: str, storage_options, cache_dir, cache_limit) -> Manifest:
+    from dataclasses import replace
+
+    from fastpipe.cache import default_cache_dir
+    from fastpipe.options import parse_size
+    from fastpipe.storage import Remote
+
+    url = url.rstrip("/")
+    url = url[: -len(MANIFEST_NAME) - 1] if url.endswith("/" + MANIFEST_NAME) else url
+    limit = parse_size(cache_limit, bare="GB") if cache_limit not in (None, "", 0) else None
+    remote = Remote(url, storage_options, cache_dir=Path(cache_dir) if cache_dir else default_cache_dir(),
+                    cache_limit=limit)
+    data = remote.cat(MANIFEST_NAME)  # a missing one: RemoteError naming the URL
+    try:
+        d = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ManifestError(f"{url}/{MANIFEST_NAME} is damaged ({type(e).__name__}: {e}); re-run the conversion"
+                            ) from e
+    return replace(from_dict(d, remote.cache_dir), remote=remote)

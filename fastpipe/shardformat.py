@@ -75,9 +75,20 @@ def read_index(path: Path, shard_bytes: int | None = None) -> list[IndexEntry]:
     inside the shard. Any damage raises DataError naming the file and line."""
     path = Path(path)
     try:
-        lines = path.read_text(encoding="ascii").splitlines()
+        text = path.read_text(encoding="ascii")
     except (OSError, UnicodeDecodeError) as e:
         raise _idx_error(path, 1, f"unreadable ({type(e).__name__}: {e})") from e
+    return parse_index(text, path, shard_bytes)
+
+
+def parse_index(text: str | bytes, path, shard_bytes: int | None = None) -> list[IndexEntry]:
+    """`read_index` of an index's text (fetched from a store); `path` names it in errors."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("ascii")
+        except UnicodeDecodeError as e:
+            raise _idx_error(path, 1, f"unreadable ({type(e).__name__}: {e})") from e
+    lines = text.splitlines()
     head = lines[0].split() if lines else []
     if len(head) != 2 or head[0] != IDX_VERSION or not head[1].isdigit() or int(head[1]) != len(lines) - 1:
         raise _idx_error(path, 1, f"expected '{IDX_VERSION} <samples>' for {len(lines) - 1} sample lines, "
@@ -112,9 +123,10 @@ def _parse_line(path: Path, n: int, line: str, shard_bytes: int | None) -> Index
     return key, parts
 
 
-def _idx_error(path: Path, line: int, what: str) -> DataError:
+def _idx_error(path, line: int, what: str) -> DataError:
+    tar = str(path)[: -len(".idx")] + ".tar" if str(path).endswith(".idx") else path
     return DataError(f"index {path}, line {line}: {what}. Rebuild it from its shard: "
-                     f"`fastpipe index --idx-only {Path(path).with_suffix('.tar')}`")
+                     f"`fastpipe index --idx-only {tar}`")
 
 
 def index_tar(tar_path: Path) -> list[IndexEntry]:
@@ -219,4 +231,4 @@ def index_path_for(tar: Path) -> Path:
 
 
 __all__ = ["BLOCK", "IDX_VERSION", "IMAGE_EXTS", "LABEL_EXTS", "decode_label", "encode_label", "index_tar",
-           "read_index", "read_member", "sha256_file", "split_name", "write_index"]
+           "parse_index", "read_index", "read_member", "sha256_file", "split_name", "write_index"]

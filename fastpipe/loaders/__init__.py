@@ -34,14 +34,19 @@ def make_loader_from(manifest: Manifest, cfg: LoaderConfig, backend: str | None 
     return backend_class(cfg.backend)(manifest, cfg)
 
 
-def make_loader(out: str | os.PathLike, backend: str = "torch", **settings):
-    """A loader over a converter output folder. Settings are LoaderConfig's fields (see config.py)."""
+def make_loader(out: str | os.PathLike, backend: str = "torch", *, storage_options: dict | None = None,
+                cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None, **settings):
+    """A loader over a converter output folder, or its URL in object storage (s3://, gs://, http(s)://...; read
+    through a node-local cache in `cache_dir`, kept under `cache_limit`, e.g. "50GB"; `storage_options` are
+    fsspec's, held in memory only). Settings are LoaderConfig's fields (see config.py)."""
     valid = {f.name for f in fields(LoaderConfig)}
     unknown = sorted(set(settings) - valid)
     if unknown:
-        raise ConfigError(f"unknown loader setting(s) {unknown}: valid are {sorted(valid - {'backend'})}")
+        raise ConfigError(f"unknown loader setting(s) {unknown}: valid are {sorted(valid - {'backend'})} "
+                          f"(and storage_options, cache_dir, cache_limit)")
     backend_class(backend)  # reject an unknown name before reading anything
-    return make_loader_from(load(out), LoaderConfig(backend=backend, **settings))
+    manifest = load(out, storage_options=storage_options, cache_dir=cache_dir, cache_limit=cache_limit)
+    return make_loader_from(manifest, LoaderConfig(backend=backend, **settings))
 
 
 __all__ = ["BACKENDS", "BACKEND_NAMES", "LoaderConfig", "make_loader", "make_loader_from"]

@@ -37,6 +37,10 @@ class LoaderStats:
     wait_s: float = 0.0  # time the consumer spent blocked waiting for the next batch
     seconds: float = 0.0  # wall time of the epoch's iteration
     skipped_keys: list[str] = field(default_factory=list)  # the first few, with the reason
+    # A data set in object storage: what this epoch fetched into the node's cache, and the retries it took
+    requests: int = 0
+    fetched_bytes: int = 0
+    retries: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -198,7 +202,7 @@ class Loader:
 
     def keys(self, ids: torch.Tensor) -> list[SampleKey]:
         s = self.shards
-        return [SampleKey(s.paths[int(s.shard_of(i))].name, s.keys[i], s.source(i), i) for i in ids.tolist()]
+        return [SampleKey(s.names[int(s.shard_of(i))], s.keys[i], s.source(i), i) for i in ids.tolist()]
 
     # -- iteration --------------------------------------------------------------------------------------------
     def _expected(self) -> int:
@@ -224,6 +228,10 @@ class Loader:
         for s in batch.skipped:
             warnings.warn(f"skipping {s}", stacklevel=4)
         keys = self.keys(batch.ids) if self.cfg.with_keys else None
+        if batch.io:
+            self.stats.requests += batch.io[0]
+            self.stats.fetched_bytes += batch.io[1]
+            self.stats.retries += batch.io[2]
         self._release(batch)
         return x, y, keys, len(batch.skipped), batch.skipped
 

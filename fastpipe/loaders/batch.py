@@ -24,6 +24,7 @@ class HostBatch:
     skipped: list[str] = field(default_factory=list)  # "shard/key: why" for samples that failed to decode
     slot: int = -1  # the pooled buffer holding `images`, to release once copied (BufferPool)
     error: str | None = None  # a worker's FastpipeError, re-raised by the main process with this message
+    io: tuple[int, int, int] | None = None  # remote data: (requests, bytes, retries) since the last batch
 
     def pin_memory(self) -> HostBatch:
         """DataLoader's pin-memory thread calls this for objects it does not know."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import time
 
+import numpy as np
 import torch
 
 from fastpipe.errors import DataError, MissingDependency
@@ -68,6 +69,11 @@ class _Feed:
 
     def __init__(self, loader: DaliLoader):
         self.loader, self.pending, self.empty = loader, collections.deque(), 0
+        self.io = np.zeros(3, np.int64)  # remote data: requests, bytes, retries since the last batch out
+
+    def take_io(self) -> tuple[int, int, int]:
+        io, self.io = tuple(self.io.tolist()), np.zeros(3, np.int64)
+        return io
 
     def __iter__(self):
         self.empty = 0
@@ -78,6 +84,8 @@ class _Feed:
                 self.empty += 1
                 continue
             self.pending.append(batch.ids)
+            if batch.io:
+                self.io += batch.io
             # Labels as DALI takes them: an int32 per sample, or a multi-hot uint8 row for multi-label data.
             if self.loader.manifest.multilabel:
                 yield batch.data, [row.numpy().astype("uint8") for row in batch.labels]
@@ -176,15 +184,15 @@ class DaliLoader(Loader):
             feed_ndarray(t, out, cuda_stream=torch.cuda.current_stream(self.device) if self.gpu else None)
             y = labels.as_array()
             y = torch.from_numpy(y.astype("float32") if self.manifest.multilabel else y.reshape(-1).astype("int64"))
-            yield HostBatch(y, self._feed.pending.popleft(), images=out)
+            yield HostBatch(y, self._feed.pending.popleft(), images=out, io=self._feed.take_io())
 
     def _explain(self, e: RuntimeError) -> DataError:
         """DALI's decode errors name no sample and it cannot skip one: find the culprit (a bounded scan with the
         torch backend's decoder) and give the one-time repair."""
         found = _first_undecodable(self.shards, seconds=20.0)
         where = f" ({found})" if found else ""
-        return DataError(f"DALI failed while reading the {self.cfg.split} shards of {self.manifest.root}{where}: "
+        return DataError(f"DALI failed while reading the {self.cfg.split} shards of {self.manifest.location}{where}: "
                          f"{_first_line(e)}. DALI cannot skip an undecodable sample: run `fastpipe inspect "
-                         f"{self.manifest.root} --verify --repair` once (it leaves such samples out of the .idx "
+                         f"{self.manifest.location} --verify --repair` once (it leaves such samples out of the .idx "
                          f"files; the shards stay as they are), or use --backend torch or nvjpeg, which "
                          f"skip and count them")

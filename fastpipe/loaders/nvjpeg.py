@@ -59,7 +59,7 @@ class NvjpegLoader(StreamLoader):
                     out.append(self._decode([d], self.device)[0])
                 except RuntimeError as e:
                     s = self.shards
-                    what = f"sample {s.keys[i]} in shard {s.paths[int(s.shard_of(i))].name}: {str(e)[:200]}"
+                    what = f"sample {s.keys[i]} in shard {s.names[int(s.shard_of(i))]}: {str(e)[:200]}"
                     if self.cfg.on_error == "raise":
                         raise SampleError(what) from e
                     batch.skipped.append(what)

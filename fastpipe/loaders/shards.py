@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import mmap
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 
 import numpy as np
 import torch
@@ -19,7 +20,7 @@ import torch
 from fastpipe.errors import DataError
 from fastpipe.loaders.epoch import Piece
 from fastpipe.manifest import MANIFEST_NAME, Manifest
-from fastpipe.shardformat import decode_label, read_index
+from fastpipe.shardformat import decode_label, parse_index, read_index
 
 
 class ShardError(DataError):
@@ -62,7 +63,7 @@ class RawBatch:
     def name(self, i: int) -> str:
         """'sample KEY in shard NAME' of the batch's i-th sample, for messages."""
         sid = int(self.ids[i])
-        return f"sample {self.shards.keys[sid]} in shard {self.shards.paths[int(self.shards.shard_of(sid))].name}"
+        return f"sample {self.shards.keys[sid]} in shard {self.shards.names[int(self.shards.shard_of(sid))]}"
 
 
 class ShardSet:
@@ -71,6 +72,8 @@ class ShardSet:
     def __init__(self, manifest: Manifest, split: str):
         info = manifest.split(split)
         self.root = manifest.root
+        self.remote = manifest.remote  # a data set in object storage: read through the node's cache (cache.py)
+        self.names = [PurePosixPath(s.path).name for s in info.shards]
         self.paths = [manifest.root / s.path for s in info.shards]
         self.index_paths = [manifest.root / s.index for s in info.shards]
         self.counts = [s.samples for s in info.shards]
@@ -84,8 +87,12 @@ class ShardSet:
         self.offsets = np.zeros((n, 3), np.int64)  # image, label, meta (-1: none)
         self.sizes = np.zeros((n, 3), np.int64)
         self.keys: list[str] = []
-        for i, shard in enumerate(info.shards):
-            self._check(manifest, i, shard)
+        self.cache = None
+        if self.remote is not None:
+            self._check_remote(manifest, info)
+        else:
+            for i, shard in enumerate(info.shards):
+                self._check(manifest, i, shard)
         self._maps: dict[int, mmap.mmap] = {}
         self._views: dict[int, memoryview] = {}
         self._arrays: dict[int, np.ndarray] = {}
@@ -101,7 +108,32 @@ class ShardSet:
         if not idx.is_file():
             raise ShardError(f"index {idx} is missing: rebuild it with `fastpipe index --idx-only {path}` "
                              f"(writes the .idx only, dataset.json stays as it is)")
-        entries = read_index(idx, shard.bytes)
+        self._add_entries(manifest, i, shard, read_index(idx, shard.bytes))
+
+    def _check_remote(self, manifest: Manifest, info) -> None:
+        """The indexes fetched (concurrently) and checked as for local shards; the shards' bytes are fetched when
+        read. A cached shard is checked against its sha256 before use."""
+        from fastpipe.cache import ShardCache
+
+        r = self.remote
+        texts = r.cat_many([s.index for s in info.shards])
+        for i, (shard, text) in enumerate(zip(info.shards, texts)):
+            self._add_entries(manifest, i, shard, parse_index(text, r.join(shard.index), shard.bytes))
+        spans = []
+        for i, shard in enumerate(info.shards):  # the samples' byte spans tile the shard (headers included), so
+            rows = slice(self.starts[i], self.starts[i + 1])  # a shard whose samples are all cached is all there
+            ends = np.where(self.offsets[rows] >= 0, self.offsets[rows] + self.sizes[rows], 0).max(1)
+            bounds = np.concatenate([[0], ends[:-1], [shard.bytes]]) if len(ends) else np.array([0, 0])
+            spans.append(np.stack([bounds[:-1], bounds[1:]], 1))
+        self.cache = ShardCache(r, r.cache_dir, r.cache_limit, [s.path for s in info.shards],
+                                [s.bytes for s in info.shards], [s.sha256 for s in info.shards], spans)
+        for i in range(len(info.shards)):
+            self.cache.check(i)
+
+    def _add_entries(self, manifest: Manifest, i: int, shard, entries) -> None:
+        path, idx, where = self.paths[i], self.index_paths[i], manifest.location + "/" + MANIFEST_NAME
+        if self.remote is not None:
+            path, idx = self.remote.join(shard.path), self.remote.join(shard.index)
         if len(entries) != shard.samples:
             raise ShardError(f"index {idx} lists {len(entries)} samples but {where} says {shard.samples}: rebuild "
                              f"the index with `fastpipe index --idx-only {path}`, or re-run the conversion")
@@ -125,6 +157,8 @@ class ShardSet:
 
     def _map(self, shard: int) -> mmap.mmap:
         m = self._maps.get(shard)
+        if m is None and self.cache is not None:
+            m = self._maps[shard] = self.cache.map(shard)
         if m is None:  # opened lazily in each process (a worker maps only the shards it reads)
             with open(self.paths[shard], "rb") as f:
                 m = self._maps[shard] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -140,7 +174,7 @@ class ShardSet:
         return data
 
     def _truncated(self, shard: int, end: int):
-        raise ShardError(f"shard {self.paths[shard]} ends before byte {end}: the file was truncated after the loader "
+        raise ShardError(f"shard {self.where(shard)} ends before byte {end}: the file was truncated after the loader "
                          f"opened it; copy it again")
 
     def _array(self, shard: int) -> np.ndarray:
@@ -152,16 +186,40 @@ class ShardSet:
     def _bytes(self, shard: int, offset: int, size: int) -> bytes:
         return bytes(self._view(shard, offset, size))
 
+    def fetch(self, ids, shards: np.ndarray | None = None, remap: bool = True) -> None:
+        """Remote data: make these samples present in the node's cache (a no-op for local data, and for samples
+        already cached), and read them through the maps they are present in (`remap`). SampleStream also calls
+        it ahead of time from a thread (remap=False: that thread's maps are for later batches)."""
+        if self.cache is None:
+            return
+        ids = np.asarray(ids, dtype=np.int64)
+        shards = self.shard_of(ids) if shards is None else shards
+        maps = self.cache.ensure({s: ids[shards == s] - self.starts[s] for s in np.unique(shards).tolist()})
+        for s, m in maps.items() if remap else ():
+            if self._maps.get(s) is not m:  # the cached file was evicted and fetched again since
+                self._maps[s] = m
+                self._views.pop(s, None)
+                self._arrays.pop(s, None)
+
+    def where(self, shard: int) -> str:
+        """The shard's path, or its URL for a data set in object storage (for messages)."""
+        return self.remote.join(self.rel_path(shard)) if self.remote is not None else str(self.paths[shard])
+
+    def rel_path(self, shard: int) -> str:
+        return self.paths[shard].relative_to(self.root).as_posix()
+
     def sample(self, i: int, shard: int | None = None) -> RawSample:
         shard = int(self.shard_of(i)) if shard is None else shard
+        self.fetch([i], np.array([shard]))
         (io_, lo_, _), (in_, ln_, _) = self.offsets[i], self.sizes[i]
-        return RawSample(i, self.keys[i], self.paths[shard].name, self._bytes(shard, int(io_), int(in_)),
+        return RawSample(i, self.keys[i], self.names[shard], self._bytes(shard, int(io_), int(in_)),
                          self.label(i, shard, self._bytes(shard, int(lo_), int(ln_))))
 
     def read(self, ids) -> RawBatch:
         """The samples `ids` (global ids), their images as views and their labels decoded batch-wise."""
         ids = np.asarray(ids, dtype=np.int64)
         shards = self.shard_of(ids)
+        self.fetch(ids, shards)
         off, size = self.offsets[ids], self.sizes[ids]
         images = [self._view(s, o, n) for s, o, n in zip(shards.tolist(), off[:, 0].tolist(), size[:, 0].tolist())]
         return RawBatch(self, ids, images, self.labels(ids, shards, off[:, 1], size[:, 1]))
@@ -200,10 +258,10 @@ class ShardSet:
         try:
             label = decode_label(data, self.label_ext, self.multilabel)
         except ValueError as e:
-            raise ShardError(f"shard {self.paths[shard]}, sample {self.keys[i]!r}: {e}") from None
+            raise ShardError(f"shard {self.where(shard)}, sample {self.keys[i]!r}: {e}") from None
         bad = [k for k in (label if self.multilabel else (label,)) if not 0 <= k < self.num_classes]
         if bad:
-            raise ShardError(f"shard {self.paths[shard]}, sample {self.keys[i]!r}: label {bad[0]} is outside the "
+            raise ShardError(f"shard {self.where(shard)}, sample {self.keys[i]!r}: label {bad[0]} is outside the "
                              f"{self.num_classes} classes of dataset.json; `fastpipe inspect --verify` lists every "
                              f"such sample")
         return label
@@ -215,6 +273,7 @@ class ShardSet:
         out = np.empty(self.total, np.float64)
         for s in range(len(self.paths)):
             ids = np.arange(int(self.starts[s]), int(self.starts[s + 1]))
+            self.fetch(ids, np.full(len(ids), s))  # remote data: the whole split comes into the cache
             y = self.labels(ids, np.full(len(ids), s), self.offsets[ids, 1], self.sizes[ids, 1])
             if self.multilabel:  # the largest weight among the present labels; 1 where none is present
                 out[ids] = torch.where(y > 0, w, 0.0).amax(1).where(y.sum(1) > 0, 1.0).numpy()
@@ -227,6 +286,7 @@ class ShardSet:
         if self.offsets[i, 2] < 0:
             return None
         s = int(self.shard_of(i))
+        self.fetch([i], np.array([s]))
         try:
             return json.loads(self._bytes(s, int(self.offsets[i, 2]), int(self.sizes[i, 2]))).get("path")
         except (ValueError, AttributeError):

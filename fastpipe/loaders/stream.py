@@ -12,6 +12,7 @@ import os
 import sys
 import warnings
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import numpy as np
@@ -62,11 +63,43 @@ class SampleStream(IterableDataset):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         epoch = int(self.epoch[0])
+        remote = self.shards.remote
         try:
-            for ids, positions in self.plan(worker, workers):
-                yield self.prepare(self.shards.read(ids), positions, epoch)
+            for ids, positions in fetched_ahead(self.shards, self.plan(worker, workers)):
+                batch = self.prepare(self.shards.read(ids), positions, epoch)
+                if remote is not None:
+                    batch.io = remote.counters.take()
+                yield batch
         except FastpipeError as e:  # named and explained: the main process raises it without a worker traceback
             yield HostBatch.failed(str(e))
+
+
+FETCH_WINDOW = 4  # batches fetched together (more samples per request: coalescing, fewer round trips)
+FETCH_AHEAD = 2  # windows fetched ahead of the one being decoded
+
+
+def fetched_ahead(shards: ShardSet, plan):
+    """The plan, with a data set in object storage fetched into the node's cache ahead of decoding, from a
+    thread: requests are in flight while this worker decodes, so store latency hides behind decode time."""
+    if shards.cache is None:
+        yield from plan
+        return
+    batches = list(plan)
+    windows = [batches[k: k + FETCH_WINDOW] for k in range(0, len(batches), FETCH_WINDOW)]
+    pool = ThreadPoolExecutor(1, thread_name_prefix="fastpipe-fetch")
+
+    def submit(w):
+        return pool.submit(shards.fetch, np.concatenate([ids for ids, _ in w]), remap=False)
+
+    try:
+        futures = [submit(w) for w in windows[:FETCH_AHEAD]]
+        for k, w in enumerate(windows):
+            if k + FETCH_AHEAD < len(windows):
+                futures.append(submit(windows[k + FETCH_AHEAD]))
+            futures[k].result()
+            yield from w
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _worker_context():

@@ -1,0 +1,295 @@
+"""The node-local cache of remote shards: the reading layer of a data set in object storage.
+
+A cached shard is one sparse file named by the shard's sha256 (so two URLs of the same shard share it, and a
+changed shard is a new name): the shard's bytes at their own offsets, then one byte per sample saying whether that
+sample's bytes are there. Readers map it exactly like a local shard (shards.py), so nothing after the cache knows
+the data is remote. Only the samples asked for are fetched, as coalesced byte ranges (never a request per sample,
+never the whole shard when a part is needed), several in flight.
+
+Shared by every rank and worker of a node: a range is fetched under a POSIX byte-range lock on the file, taken
+without waiting; a range another process is fetching is waited for afterwards and re-checked, so no two processes
+download the same bytes at once and none deadlocks. A sample's presence byte is written after its bytes. When the
+last sample of a shard arrives, the shard is checked against dataset.json's sha256 (a stamp file records the check,
+for the file as it was then); a complete shard whose stamp is missing or older than the file is checked again
+before use, and one that fails is deleted and fetched again. Shards least recently used are evicted whole when
+the cache grows past its limit (a process that has one mapped keeps reading it; the disk space returns when it
+lets go). Damage to a partly fetched shard is found when it completes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import mmap
+import os
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from fastpipe.errors import DataError
+from fastpipe.storage import Remote
+
+# Samples closer than GAP are fetched in one request: on a store, a request costs tens of ms of latency and a
+# round of the concurrency limit, a MiB costs a few ms of bandwidth. Every sample inside a fetched range is
+# marked present, so the other workers of the node find their samples of the same shuffle block already here.
+GAP = 1 << 20
+MAX_REQUEST = 16 << 20  # and no request larger, so that a large read still spreads over several connections
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("FASTPIPE_CACHE")
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return Path(env) if env else base / "fastpipe" / "shards"
+
+
+def coalesce(spans: np.ndarray, gap: int = GAP, largest: int = MAX_REQUEST) -> list[tuple[int, int, np.ndarray]]:
+    """Merge sample spans (rows of start, end, sorted by start) into requests: (start, end, rows covered)."""
+    out, rows = [], []
+    start = end = -1
+    for r, (s, e) in enumerate(spans.tolist()):
+        if rows and s - end <= gap and e - start <= largest:
+            end = max(end, e)
+            rows.append(r)
+            continue
+        if rows:
+            out.append((start, end, np.array(rows)))
+        start, end, rows = s, e, [r]
+    if rows:
+        out.append((start, end, np.array(rows)))
+    return out
+
+
+class ShardCache:
+    """Cached copies of one split's remote shards. `spans[i]` holds each sample's [start, end) in shard i."""
+
+    def __init__(self, remote: Remote, folder: Path, limit: int | None, rel_paths: list[str], sizes: list[int],
+                 sha256s: list[str], spans: list[np.ndarray]):
+        self.remote, self.folder, self.limit = remote, Path(folder), limit
+        self.rel, self.sizes, self.sha, self.spans = rel_paths, sizes, sha256s, spans
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._open: dict[int, tuple[int, mmap.mmap, np.ndarray]] = {}
+        self._lock = threading.Lock()
+        self._warned = False
+
+    def __getstate__(self):
+        return {**self.__dict__, "_open": {}, "_lock": None}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def path(self, i: int) -> Path:
+        return self.folder / f"{self.sha[i]}.shard"
+
+    def map(self, i: int) -> mmap.mmap:
+        with self._lock:
+            return self._file(i)[1]
+
+    def _file(self, i: int) -> tuple[int, mmap.mmap, np.ndarray]:
+        f = self._open.get(i)
+        if f is None:
+            path = self.path(i)
+            if not path.exists():
+                _create(path, self.sizes[i] + len(self.spans[i]))
+            fd = os.open(path, os.O_RDWR)
+            m = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            f = self._open[i] = (fd, m, np.frombuffer(m, np.uint8)[self.sizes[i]:])
+            _touch(path)
+        return f
+
+    def check(self, i: int) -> None:
+        """Before use: a complete cached shard that was not checked as it is now is checked against its sha256."""
+        path = self.path(i)
+        if not path.exists():
+            return
+        with self._lock:
+            have = self._file(i)[2]
+            if have.all() and not _stamped(path):
+                self._verify(i, refetch=False)
+
+    def ensure(self, wanted: dict[int, np.ndarray]) -> dict[int, mmap.mmap]:
+        """Make the samples present: {shard: sample indices within it}; the maps they are present in. Read them
+        through these maps: a cached file evicted later stays readable through its map, while the shard's next
+        file (after eviction) may not hold them. Thread-safe; other processes share the files."""
+        with self._lock:
+            todo = {}
+            for i, js in wanted.items():
+                have = self._file(i)[2]
+                missing = np.unique(js[have[js] == 0])
+                if len(missing):
+                    todo[i] = missing
+            if todo:
+                self._fetch(todo, keep=set(wanted))
+            return {i: self._file(i)[1] for i in wanted}
+
+    def _fetch(self, todo: dict[int, np.ndarray], keep: set[int]) -> None:
+        held, contested = [], []
+        for i, js in todo.items():
+            order = js[np.argsort(self.spans[i][js, 0])]
+            for start, end, rows in coalesce(self.spans[i][order]):
+                (held if _try_lock(self._open[i][0], start, end) else contested).append((i, start, end, order[rows]))
+        try:
+            self._download(held)
+        finally:
+            for i, start, end, _ in held:
+                _unlock(self._open[i][0], start, end)
+        for i, start, end, js in contested:  # another process fetched or is fetching these: wait, then re-check
+            fd, _, have = self._open[i]
+            fcntl.lockf(fd, fcntl.LOCK_EX, end - start, start)
+            try:
+                missing = js[have[js] == 0]
+                if len(missing):
+                    self._download([(i, int(self.spans[i][missing, 0].min()), int(self.spans[i][missing, 1].max()),
+                                     missing)])
+            finally:
+                _unlock(fd, start, end)
+        self._completed({i for i, *_ in held + contested})
+        self._evict(keep)
+
+    def _download(self, parts: list[tuple[int, int, int, np.ndarray]]) -> None:
+        if not parts:
+            return
+        datas = self.remote.ranges([(self.rel[i], s, e) for i, s, e, _ in parts])
+        for (i, start, end, _), data in zip(parts, datas):
+            fd, spans = self._open[i][0], self.spans[i]
+            os.pwrite(fd, data, start)
+            # every sample wholly inside the range is here now (spans are in file order); the presence bytes
+            # are written after the bytes they vouch for
+            lo, hi = np.searchsorted(spans[:, 0], start), np.searchsorted(spans[:, 1], end, side="right")
+            if hi > lo:
+                os.pwrite(fd, b"\1" * int(hi - lo), self.sizes[i] + int(lo))
+            _touch(self.path(i))
+
+    def _completed(self, shards: set[int]) -> None:
+        for i in shards:
+            if self._open[i][2].all() and not _stamped(self.path(i)):
+                self._verify(i, refetch=True)
+
+    def _verify(self, i: int, refetch: bool) -> None:
+        """Check a complete shard's sha256; a bad one is deleted, and fetched again once when `refetch`."""
+        m = self._open[i][1]
+        if hashlib.sha256(m[: self.sizes[i]]).hexdigest() == self.sha[i]:
+            _stamp(self.path(i))
+            return
+        self._drop(i)
+        if not refetch:
+            warnings.warn(f"cached copy of {self.remote.join(self.rel[i])} was damaged; it is fetched again",
+                          stacklevel=3)
+            return
+        all_samples = np.arange(len(self.spans[i]))
+        self._file(i)
+        self._download([(i, s, e, all_samples[rows]) for s, e, rows in coalesce(self.spans[i])])
+        if hashlib.sha256(self._open[i][1][: self.sizes[i]]).hexdigest() != self.sha[i]:
+            self._drop(i)
+            raise DataError(f"{self.remote.join(self.rel[i])} does not match dataset.json (sha256 differs, fetched "
+                            f"twice): the object was changed after conversion; re-run `fastpipe shard`, or restore it")
+        _stamp(self.path(i))
+
+    def _drop(self, i: int) -> None:
+        fd, m, _ = self._open.pop(i)
+        for p in (self.path(i), _stamp_path(self.path(i))):
+            p.unlink(missing_ok=True)
+        _close(m)
+        os.close(fd)
+
+    def _evict(self, keep: set[int]) -> None:
+        """Whole shards, least recently used first, until the cache is under its limit; not the shards of the
+        request being served (`keep`). One this process has open is let go here (its readers keep their map of it,
+        see `ensure`); one another process has open stays readable there until it lets go."""
+        if not self.limit:
+            return
+        files = []
+        for e in os.scandir(self.folder):
+            if e.name.endswith(".shard"):
+                st = e.stat()
+                files.append((st.st_atime_ns, st.st_blocks * 512, Path(e.path)))
+        used = sum(f[1] for f in files)
+        kept = {self.path(i) for i in keep}
+        mine = {self.path(i): i for i in self._open}
+        for _, nbytes, path in sorted(files):
+            if used <= self.limit:
+                return
+            if path in kept:
+                continue
+            if path in mine:
+                self._drop(mine[path])
+            path.unlink(missing_ok=True)
+            _stamp_path(path).unlink(missing_ok=True)
+            used -= nbytes
+        if used > self.limit and not self._warned:
+            self._warned = True
+            warnings.warn(f"the shard cache {self.folder} needs {used / 1e6:,.1f} MB for the shards of one fetch, over "
+                          f"its limit of {self.limit / 1e6:,.1f} MB: raise cache_limit", stacklevel=4)
+
+    def close(self) -> None:
+        for fd, m, _ in self._open.values():
+            _close(m)
+            os.close(fd)
+        self._open = {}
+
+
+def _create(path: Path, size: int) -> None:
+    """A sparse file of `size` zero bytes, created atomically (another process may be creating the same one)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+
+
+def _try_lock(fd: int, start: int, end: int) -> bool:
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, end - start, start)
+        return True
+    except OSError:
+        return False
+
+
+def _unlock(fd: int, start: int, end: int) -> None:
+    fcntl.lockf(fd, fcntl.LOCK_UN, end - start, start)
+
+
+def _touch(path: Path) -> None:
+    """Recency for eviction is the access time, set explicitly (mounts with relatime don't): mtime is left alone,
+    since the stamp compares it."""
+    try:
+        st = path.stat()
+        os.utime(path, ns=(time.time_ns(), st.st_mtime_ns))
+    except FileNotFoundError:
+        pass
+
+
+def _stamp_path(path: Path) -> Path:
+    return path.with_suffix(".ok")
+
+
+def _stamped(path: Path) -> bool:
+    try:
+        return _stamp_path(path).read_text() == str(path.stat().st_mtime_ns)
+    except (FileNotFoundError, ValueError):
+        return False
+
+
+def _stamp(path: Path) -> None:
+    tmp = _stamp_path(path).with_name(f".{path.stem}.ok.{os.getpid()}")
+    tmp.write_text(str(path.stat().st_mtime_ns))
+    tmp.replace(_stamp_path(path))
+
+
+def _close(m: mmap.mmap) -> None:
+    with contextlib.suppress(BufferError):  # views of it are alive (a batch being decoded): it closes with them
+        m.close()
+
+
+__all__ = ["ShardCache", "coalesce", "default_cache_dir"]

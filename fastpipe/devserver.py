@@ -1,0 +1,171 @@
+"""A loopback HTTP server for a folder, with Range requests, added latency and injected faults,
+or a proxy that puts the same faults in front of another server (an S3-protocol one).
+
+For the tests and `benchmarks/bench_remote.py`: a real HTTP server that fsspec's HTTP filesystem talks to over
+real sockets, so that remote reading is tested and measured without a network. Faults, each every Nth request
+(counted over all requests, so that concurrent clients meet them too): a 503, a connection reset before any
+response, or a stall longer than the client's timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+RANGE_RE = re.compile(r"bytes=(\d+)-(\d*)$")
+
+
+@dataclass
+class Faults:
+    latency: float = 0.0  # seconds added to every request (a store's time to first byte)
+    error_every: int = 0  # every Nth request answers 503 Slow Down
+    reset_every: int = 0  # every Nth request has its connection closed without a response
+    stall_every: int = 0  # every Nth request waits `stall` seconds before answering
+    stall: float = 0.0
+    only: str = ""  # faults only for request paths containing this (e.g. ".tar"); latency applies to all
+
+    def __post_init__(self):
+        self.lock, self.count = threading.Lock(), 0
+        self.requests = self.errors = self.resets = self.stalls = 0
+
+    def next(self, path: str = "") -> str | None:
+        if self.only not in path:
+            with self.lock:
+                self.requests += 1
+            return None
+        with self.lock:
+            self.count += 1
+            self.requests += 1
+            n = self.count
+        for kind, every in (("reset", self.reset_every), ("error", self.error_every), ("stall", self.stall_every)):
+            if every and n % every == 0:
+                with self.lock:
+                    setattr(self, kind + "s", getattr(self, kind + "s") + 1)
+                return kind
+        return None
+
+
+class _Handler(SimpleHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, as a store's clients use it
+
+    def __init__(self, *args, faults: Faults, **kw):
+        self.faults = faults
+        super().__init__(*args, **kw)
+
+    def log_message(self, *args):  # quiet
+        pass
+
+    def do_GET(self):
+        fault = self.faults.next(self.path)
+        if self.faults.latency:
+            time.sleep(self.faults.latency)
+        if fault == "reset":
+            self.close_connection = True
+            self.connection.shutdown(2)
+            return
+        if fault == "error":
+            return self._reply(503, b"<Error><Code>SlowDown</Code></Error>")
+        if fault == "stall":
+            time.sleep(self.faults.stall)
+        path = Path(self.translate_path(self.path))
+        if not path.is_file():
+            return self._reply(404, b"not found")
+        size = path.stat().st_size
+        m = RANGE_RE.match(self.headers.get("Range", ""))
+        start, end = (int(m.group(1)), min(size, int(m.group(2)) + 1 if m.group(2) else size)) if m else (0, size)
+        if start >= size and size:
+            return self._reply(416, b"range not satisfiable")
+        with open(path, "rb") as f:
+            f.seek(start)
+            body = f.read(end - start)
+        headers = {"Content-Range": f"bytes {start}-{end - 1}/{size}"} if m else {}
+        self._reply(206 if m else 200, body, headers)
+
+    def do_HEAD(self):
+        path = Path(self.translate_path(self.path))
+        if not path.is_file():
+            return self._reply(404, b"")
+        self.send_response(200)
+        self.send_header("Content-Length", str(path.stat().st_size))
+        self.send_header("Accept-Ranges", "bytes")
+        self.end_headers()
+
+    def _reply(self, status: int, body: bytes, headers: dict | None = None) -> None:
+        self.send_response(status)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Accept-Ranges", "bytes")
+        self.end_headers()
+        self.wfile.write(body)
+
+
+class _Proxy(_Handler):
+    """Forwards every request to `target` (an S3-protocol server such as moto's), with the same faults."""
+
+    def __init__(self, *args, target: str, **kw):
+        self.target = target
+        super().__init__(*args, **kw)
+
+    def _forward(self):
+        import http.client
+
+        fault = self.faults.next(self.path)
+        if self.faults.latency:
+            time.sleep(self.faults.latency)
+        if fault == "reset":
+            self.close_connection = True
+            self.connection.shutdown(2)
+            return
+        if fault == "error":
+            return self._reply(503, b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate."
+                                    b"</Message></Error>", {"Content-Type": "application/xml"})
+        if fault == "stall":
+            time.sleep(self.faults.stall)
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        conn = http.client.HTTPConnection(self.target.split("://", 1)[1], timeout=60)
+        conn.request(self.command, self.path, body=body, headers=dict(self.headers.items()))
+        r = conn.getresponse()
+        data = r.read()
+        self.send_response(r.status)
+        for k, v in r.getheaders():
+            if k.lower() not in ("content-length", "connection", "transfer-encoding", "server", "date"):
+                self.send_header(k, v)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+        conn.close()
+
+    do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
+
+
+class FolderServer:
+    """`with FolderServer(folder, Faults(...)) as url:` serves `folder` at http://127.0.0.1:PORT; with
+    `proxy_to=URL` it forwards to that server instead (faults in front of an S3-protocol server)."""
+
+    def __init__(self, folder: str | os.PathLike | None, faults: Faults | None = None, proxy_to: str | None = None):
+        self.faults = faults or Faults()
+        handler = (partial(_Proxy, target=proxy_to, faults=self.faults) if proxy_to else
+                   partial(_Handler, directory=str(folder), faults=self.faults))
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        return self.url
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+__all__ = ["Faults", "FolderServer"]

@@ -1,0 +1,219 @@
+"""Data sets in object storage: any fsspec URL (s3://, gs://, az://, http(s)://, ...) where a folder is accepted.
+
+`Remote` is the only code that talks to a store. It reads whole small objects (dataset.json, `.idx` files) and
+byte ranges of shards, several requests in flight, each retried with exponential backoff and jitter on what is
+transient (5xx, throttling, resets, timeouts) and then failing with the URL and byte range: never a hang, never a
+short read taken for data. Credentials and endpoints come from `storage_options` or the store's usual environment
+(`AWS_*` including `AWS_ENDPOINT_URL`, `GOOGLE_APPLICATION_CREDENTIALS`, `AZURE_STORAGE_*`); `storage_options` is
+held in memory only, never written or printed (`repr` shows the URL).
+
+The store's own clients retry too (botocore, s3fs): those retries are switched off where we can, so that one
+policy applies, it is bounded in time, and `loader.stats` can count it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from fastpipe.errors import ConfigError, DataError, MissingDependency
+from fastpipe.util import URL_RE
+
+RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}  # 409 is S3's "operation aborted, try again"
+PROTOCOL_EXTRAS = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs", "abfss": "adlfs",
+                   "http": "aiohttp", "https": "aiohttp"}
+
+
+_INHERITED: list = []
+
+
+def is_url(text) -> bool:
+    return isinstance(text, str) and bool(URL_RE.match(text))
+
+
+class RemoteError(DataError):
+    """An object that is missing, refused, or still failing after the retries."""
+
+
+class Counters:
+    """Requests, bytes and retries of this process since the last `take()` (a worker ships them with a batch)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests = self.bytes = self.retries = 0
+
+    def add(self, requests: int = 0, nbytes: int = 0, retries: int = 0) -> None:
+        with self.lock:
+            self.requests += requests
+            self.bytes += nbytes
+            self.retries += retries
+
+    def __getstate__(self):  # a new process counts from zero
+        return {}
+
+    def __setstate__(self, state):
+        self.__init__()
+
+    def take(self) -> tuple[int, int, int]:
+        with self.lock:
+            out = (self.requests, self.bytes, self.retries)
+            self.requests = self.bytes = self.retries = 0
+        return out
+
+
+def transient(e: BaseException) -> bool:
+    """Worth another try: a 5xx or throttling status, a reset or refused connection, a timeout. Not: a missing
+    object, a refused credential, a bad request."""
+    status = _status(e)
+    if status is not None:
+        return status in RETRY_STATUS
+    if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return False
+    if isinstance(e, (TimeoutError, asyncio.TimeoutError, ConnectionError, OSError)):
+        return True
+    return type(e).__module__.split(".")[0] in ("aiohttp", "botocore", "urllib3", "requests", "google", "azure")
+
+
+def _status(e: BaseException) -> int | None:
+    status = getattr(e, "status", None)  # aiohttp
+    response = getattr(e, "response", None)  # botocore
+    if status is None and isinstance(response, dict):
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return status if isinstance(status, int) else None
+
+
+class Remote:
+    """A data set's folder in a store: `url` plus the options to reach it; one filesystem client per process."""
+
+    def __init__(self, url: str, storage_options: dict | None = None, *, timeout: float | None = None,
+                 attempts: int | None = None, base_delay: float = 0.25, inflight: int = 16, cache_dir=None,
+                 cache_limit: int | None = None):
+        if not is_url(url):
+            raise ConfigError(f"{url!r} is not a URL (expected e.g. s3://bucket/prefix)")
+        self.url, self.options = url.rstrip("/"), dict(storage_options or {})
+        # A request that sends nothing for `timeout` s is retried; `attempts` in all, then an error
+        # ($FASTPIPE_REMOTE_TIMEOUT, $FASTPIPE_REMOTE_ATTEMPTS)
+        self.timeout = timeout or float(os.environ.get("FASTPIPE_REMOTE_TIMEOUT", 60))
+        self.attempts = attempts or int(os.environ.get("FASTPIPE_REMOTE_ATTEMPTS", 6))
+        self.base_delay, self.inflight = base_delay, inflight
+        self.cache_dir, self.cache_limit = cache_dir, cache_limit  # where this node keeps its shards (cache.py)
+        self.counters = Counters()
+        self._local = None  # (pid, fs, root path, pool): rebuilt in each process (workers fork or spawn)
+
+    def __repr__(self) -> str:
+        return f"Remote({self.url!r})"  # never the options: they may hold keys
+
+    def __getstate__(self):
+        return {**self.__dict__, "_local": None}
+
+    @property
+    def protocol(self) -> str:
+        return self.url.split("://", 1)[0].lower()
+
+    def _client(self):
+        if self._local is None or self._local[0] != os.getpid():
+            if self._local is not None:  # a forked child: the parent's client is bound to the parent's event
+                _INHERITED.append(self._local)  # loop; freeing it here would try to close it on ours
+            fs, root = open_fs(self.url, self.options, self.timeout)
+            self._local = (os.getpid(), fs, root, ThreadPoolExecutor(self.inflight, thread_name_prefix="fastpipe-io"))
+        return self._local[1:]
+
+    def join(self, rel: str) -> str:
+        return f"{self.url}/{rel}"
+
+    def cat(self, rel: str) -> bytes:
+        """A whole (small) object."""
+        fs, root, _ = self._client()
+        data = self._retry(lambda: fs.cat_file(f"{root}/{rel}"), self.join(rel))
+        self.counters.add(1, len(data))
+        return data
+
+    def cat_many(self, rels: list[str]) -> list[bytes]:
+        """Several whole (small) objects, concurrently."""
+        pool = self._client()[2]
+        return list(pool.map(self.cat, rels))
+
+    def ranges(self, parts: list[tuple[str, int, int]]) -> list[bytes]:
+        """Bytes [start, end) of object `rel` for each (rel, start, end), fetched concurrently; each exactly as
+        long as asked."""
+        fs, root, pool = self._client()
+
+        def one(part):
+            rel, start, end = part
+            data = self._retry(lambda: fs.cat_file(f"{root}/{rel}", start=start, end=end), self.join(rel),
+                               (start, end))
+            if len(data) != end - start:
+                raise RemoteError(f"{self.join(rel)}: asked for bytes {start}-{end - 1}, got {len(data)} bytes: the "
+                                  f"object is shorter than dataset.json says, or the server ignores Range requests")
+            return data
+
+        out = list(pool.map(one, parts))
+        self.counters.add(len(parts), sum(e - s for _, s, e in parts))
+        return out
+
+    def _retry(self, call, url: str, span: tuple[int, int] | None = None):
+        where = f"{url}" + (f" bytes {span[0]}-{span[1] - 1}" if span else "")
+        for attempt in range(1, self.attempts + 1):
+            try:
+                return call()
+            except FileNotFoundError as e:
+                raise RemoteError(f"{url} not found: check the URL, or that the upload finished") from e
+            except PermissionError as e:
+                raise RemoteError(f"{url}: access refused ({e}); check the credentials (storage_options or the "
+                                  f"AWS_/GOOGLE_/AZURE_ environment)") from e
+            except Exception as e:
+                if not transient(e) or attempt == self.attempts:
+                    kind = f"still failing after {attempt} attempts" if transient(e) else "failed"
+                    raise RemoteError(f"reading {where} {kind}: {type(e).__name__}: {str(e)[:200]}") from e
+                self.counters.add(retries=1)
+                # full jitter: many workers retrying a throttled store must not retry in step
+                time.sleep(random.uniform(0, min(10.0, self.base_delay * 2 ** (attempt - 1))))
+        raise AssertionError("unreachable")
+
+
+def open_fs(url: str, options: dict, timeout: float):
+    """The fsspec filesystem and root path for `url`, with bounded timeouts and the client's own retries off."""
+    try:
+        import fsspec.core
+    except ImportError as e:
+        raise MissingDependency("remote data sets need fsspec: pip install fsspec") from e
+    protocol = url.split("://", 1)[0].lower()
+    opts = copy.deepcopy(options)  # the defaults below go into nested dicts: not into the caller's
+    if protocol in ("http", "https"):
+        import aiohttp
+
+        opts.setdefault("client_kwargs", {}).setdefault(
+            "timeout", aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout))
+    elif protocol in ("s3", "s3a"):
+        cfg = opts.setdefault("config_kwargs", {})
+        cfg.setdefault("connect_timeout", timeout)
+        cfg.setdefault("read_timeout", timeout)
+        cfg.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
+        if os.environ.get("AWS_ENDPOINT_URL") and "endpoint_url" not in opts.get("client_kwargs", {}):
+            opts.setdefault("client_kwargs", {})["endpoint_url"] = os.environ["AWS_ENDPOINT_URL"]
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **opts)
+        if hasattr(fs, "retries") and protocol in ("s3", "s3a"):
+            fs.retries = 1  # s3fs's own retry loop; ours counts and bounds them
+        return fs, root
+    except ImportError as e:
+        extra = PROTOCOL_EXTRAS.get(protocol, f"the fsspec implementation for {protocol}://")
+        raise MissingDependency(f"{url}: reading {protocol}:// needs {extra}: pip install {extra}") from e
+    except ValueError as e:
+        raise ConfigError(f"{url}: {e}") from e
+
+
+def installed_protocols() -> dict[str, bool]:
+    """Which remote protocols this environment can read (for `fastpipe doctor`)."""
+    import importlib.util
+
+    return {p: importlib.util.find_spec(m) is not None
+            for p, m in (("s3", "s3fs"), ("gs", "gcsfs"), ("az", "adlfs"), ("http", "aiohttp"))}
+
+
+__all__ = ["Counters", "Remote", "RemoteError", "installed_protocols", "is_url", "open_fs", "transient"]
