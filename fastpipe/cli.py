@@ -107,8 +107,8 @@ def _cmd_shard(a) -> int:
     if cfg.parts > 1:
         print(f"part {cfg.part} of {cfg.parts} done; when all parts are: fastpipe merge {cfg.out}")
     else:
-        print(f"manifest: {cfg.out / 'dataset.json'}   previews: {cfg.out / 'previews'}   "
-              f"rejections: {cfg.out / 'rejected.jsonl'}")
+        out = str(cfg.out).rstrip("/")
+        print(f"manifest: {out}/dataset.json   previews: {out}/previews   rejections: {out}/rejected.jsonl")
     return 0
 
 

@@ -167,10 +167,42 @@ def check_shm() -> Check:
     return Check("OK", "shared memory", found)
 
 
+def check_remote() -> list[Check]:
+    """Which object stores this environment can read, and whether the S3 endpoint in the environment answers."""
+    from fastpipe.storage import installed_protocols
+
+    have = installed_protocols()
+    found = ", ".join(f"{p}://" for p, ok in have.items() if ok) or "none"
+    missing = [p for p, ok in have.items() if not ok]
+    checks = [Check("OK", "remote data", f"reads {found}",
+                    f"for {', '.join(f'{p}://' for p in missing)}: pip install "
+                    + " ".join({"s3": "s3fs", "gs": "gcsfs", "az": "adlfs", "http": "aiohttp"}[p] for p in missing)
+                    if missing else "")]
+    endpoint = os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        checks.append(_probe_endpoint(endpoint))
+    return checks
+
+
+def _probe_endpoint(endpoint: str) -> Check:
+    """An S3-compatible endpoint (MinIO, Ceph) answers any HTTP request, even a refused one: that is enough."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(endpoint, timeout=5)
+    except urllib.error.HTTPError as e:  # 403 without credentials: the server is there
+        return Check("OK", "AWS_ENDPOINT_URL", f"{endpoint} answers (HTTP {e.code})")
+    except (urllib.error.URLError, OSError) as e:
+        return Check("WARN", "AWS_ENDPOINT_URL", f"{endpoint} does not answer ({e})",
+                     "check the address and that the store is running; s3:// URLs go to it")
+    return Check("OK", "AWS_ENDPOINT_URL", f"{endpoint} answers")
+
+
 def collect() -> list[Check]:
     gpus = nvidia_smi()
     return [check_python(), *check_torch(gpus), check_driver(gpus), *check_packages(), check_dali(),
-            *check_pillow(), check_cpu(), check_shm()]
+            *check_pillow(), check_cpu(), check_shm(), *check_remote()]
 
 
 def run_doctor() -> int:

@@ -156,11 +156,24 @@ class Remote:
         self.counters.add(len(parts), sum(e - s for _, s, e in parts))
         return out
 
+    def put_many(self, files: list[tuple[os.PathLike, str]]) -> None:
+        """Upload local files to objects (local path, relative name), several at a time, each retried."""
+        fs, root, pool = self._client()
+
+        def one(item):
+            local, rel = item
+            self._retry(lambda: fs.put_file(str(local), f"{root}/{rel}"), self.join(rel))
+            self.counters.add(1, os.path.getsize(local))
+
+        list(pool.map(one, files))
+
     def _retry(self, call, url: str, span: tuple[int, int] | None = None):
         where = f"{url}" + (f" bytes {span[0]}-{span[1] - 1}" if span else "")
         for attempt in range(1, self.attempts + 1):
             try:
                 return call()
+            except NotImplementedError as e:
+                raise RemoteError(f"{url}: this store does not take writes through fsspec ({self.protocol}://)") from e
             except FileNotFoundError as e:
                 raise RemoteError(f"{url} not found: check the URL, or that the upload finished") from e
             except PermissionError as e:

@@ -27,8 +27,9 @@ def local_path(text: str | os.PathLike, what: str) -> Path:
     of becoming a local folder named 's3:'."""
     s = os.fspath(text)
     if URL_RE.match(s) or s.startswith("pipe:"):
-        raise ConfigError(f"{what} {s!r} is a URL: fastpipe reads and writes local folders only in this version; "
-                          f"copy the data to a local disk (e.g. `aws s3 sync`, `gsutil -m rsync`) and pass that folder")
+        raise ConfigError(f"{what} {s!r} is a URL: here a local folder is needed (a data set in object storage is "
+                          f"read by train, bench and make_loader, and written by `shard SRC URL`); copy the data to a "
+                          f"local disk (e.g. `aws s3 sync`, `gsutil -m rsync`) and pass that folder")
     return Path(s)
 
 

@@ -167,6 +167,53 @@ def test_local_paths_are_unchanged(converted):
     assert np.isclose(sum(m.mean), sum(load(str(converted)).mean))
 
 
+def test_shard_into_s3_gives_the_local_bytes_and_leaves_only_the_cache(folder, tmp_path, s3_bucket, monkeypatch):
+    """`fastpipe shard SRC s3://...` with the endpoint and keys from the standard AWS environment."""
+    from fastpipe.cli import main
+    from fastpipe.convert.driver import ShardConfig, shard
+
+    endpoint, _ = s3_bucket
+    for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1", "FASTPIPE_CACHE": str(tmp_path / "cache" / "shards")}.items():
+        monkeypatch.setenv(k, v)
+    settings = dict(short_side=48, val_fraction=0.25, max_shard_size=64 * 1024, workers=1)
+    shard(ShardConfig(folder, tmp_path / "local", **settings))
+    assert main(["shard", str(folder), "s3://leafs/written/v1", "--short-side", "48", "--val-fraction", "0.25",
+                 "--max-shard-size", "64KB", "--workers", "1"]) == 0
+    from fastpipe.storage import Remote
+
+    remote = Remote("s3://leafs/written/v1")
+    local = sorted(p.relative_to(tmp_path / "local").as_posix() for p in (tmp_path / "local").rglob("*")
+                   if p.is_file() and not p.name.startswith("."))
+    assert [remote.cat(rel) for rel in local] == [(tmp_path / "local" / rel).read_bytes() for rel in local]
+    assert not (tmp_path / "cache" / "staging").exists() or not any((tmp_path / "cache" / "staging").iterdir())
+    keys, labels, _ = epoch(make_loader("s3://leafs/written/v1", split="val", num_workers=0, **KW))
+    assert (keys, labels) == epoch(make_loader(tmp_path / "local", split="val", num_workers=0, **KW))[:2]
+
+
+def test_train_and_bench_take_a_url(converted, tmp_path):
+    from fastpipe.cli import main
+
+    with FolderServer(converted) as url:
+        assert main(["train", url, "--model", "resnet18", "--epochs", "1", "--image-size", "32", "--batch-size", "16",
+                     "--device", "cpu", "--workers", "0", "--out", str(tmp_path / "run"), "--cache-dir",
+                     str(tmp_path / "c"), "--cache-limit", "1GB"]) == 0
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["data"]["root"] == url and config["train"]["cache_limit"] == "1GB"
+
+
+def test_doctor_reports_protocols_and_the_endpoint(s3_bucket, monkeypatch, capsys):
+    from fastpipe.doctor import run_doctor
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_bucket[0])
+    run_doctor()
+    out = capsys.readouterr().out
+    assert "reads s3://" in out and "http://" in out and f"{s3_bucket[0]} answers" in out
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens on the discard port
+    run_doctor()
+    assert "does not answer" in capsys.readouterr().out
+
+
 @pytest.fixture(scope="session")
 def s3_bucket(converted):
     """moto's S3 server on loopback (the way s3fs's own tests run), with the converted set uploaded."""

@@ -12,7 +12,7 @@ CPU_BUDGET = 300.0  # seconds for a whole bench on a CPU unless --max-seconds sa
 
 @dataclass(frozen=True)
 class BenchConfig:
-    data: str = opt(None, "converter output folder", positional=True)
+    data: str = opt(None, "converter output folder, or its URL (s3://, gs://, az://, http(s)://)", positional=True)
     model: str = opt("resnet18", "torchvision model name")
     backend: str = opt("torch", "loader backend: " + ", ".join(BACKEND_NAMES), sweep=True, choices=BACKEND_NAMES)
     device: str | None = opt(None, "cuda, cpu (default: cuda when available)")
@@ -28,6 +28,10 @@ class BenchConfig:
     steps: int = opt(20, "timed steps per window")
     windows: int = opt(3, "timing windows per measurement (the median is reported)")
     warmup: int = opt(3, "untimed steps before each measurement")
+    cache_dir: str | None = opt(None, "remote data (s3://, gs://, az://, http(s)://): this node's shard cache "
+                                      "(default ~/.cache/fastpipe/shards or $FASTPIPE_CACHE)")
+    cache_limit: str | None = opt(None, "remote data: keep the shard cache under this size, e.g. 50GB "
+                                        "(least recently used shards go first; default: no limit)")
     max_seconds: float | None = opt(None, f"time for the whole bench (default: {CPU_BUDGET:.0f} on a CPU, no limit "
                                           f"on CUDA); each measurement gets an equal share")
 

@@ -216,7 +216,7 @@ def run_sweep(cfg: BenchConfig, sweep: dict[str, list] | None = None, log=None) 
     log = log or (lambda line: None)
     sweep = sweep or {}
     configs = grid(cfg, sweep)
-    manifest = load(configs[0].data)
+    manifest = load(configs[0].data, cache_dir=configs[0].cache_dir, cache_limit=configs[0].cache_limit)
     models = {c.model_key() for c in configs}
     budget = Budget(configs[0].max_seconds, len(models) * (2 if configs[0].augment else 1) + 2 * len(configs))
     log(f"bench: {len(configs)} configuration(s), {budget.describe()}")

@@ -1,8 +1,7 @@
 """`fastpipe shard`: the parallel conversion driver.
 
-Workers decode/resize/encode; the main process writes shards in plan order (an ordered `imap`), so output
-is deterministic whatever the worker count. See plan.py for the plan, journal.py for resuming, outputs.py for
-what a run may write and delete.
+Workers decode/resize/encode; the main process writes shards in plan order (an ordered `imap`), so output is
+deterministic whatever the worker count. plan.py: the plan, journal.py: resuming, outputs.py: what a run may write.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from fastpipe import __version__
-from fastpipe.convert import images, outputs, plan, previews
+from fastpipe.convert import images, outputs, plan, previews, publish
 from fastpipe.convert.journal import Journal, SplitProgress
 from fastpipe.convert.sources import Rejection, discover
 from fastpipe.convert.writer import ShardWriter
@@ -25,6 +24,7 @@ from fastpipe.errors import ConfigError
 from fastpipe.manifest import Components, Manifest, SplitInfo, Stats
 from fastpipe.options import opt, parse_procs, parse_size
 from fastpipe.shardformat import encode_label
+from fastpipe.storage import is_url
 from fastpipe.util import (
     FileTooLarge,
     FolderLock,
@@ -47,7 +47,7 @@ class ConvertError(ConfigError):
 @dataclass(frozen=True)
 class ShardConfig:
     src: Path = opt(None, "folder of class folders (optionally train/ and val/), or a CSV/TXT list", positional=True)
-    out: Path = opt(None, "output folder", positional=True)
+    out: Path = opt(None, "output folder, or a URL to upload to (s3://bucket/prefix, gs://, az://)", positional=True)
     short_side: int = opt(320, "stored shorter side in pixels, never upscaled")
     quality: int = opt(90, "JPEG quality of the stored images")
     val_fraction: float = opt(0.1, "stratified validation share (ignored when SRC has train/ and val/ folders)")
@@ -75,7 +75,7 @@ class ShardConfig:
     def __post_init__(self):
         # Paths given as text (the API, the CLI) become Paths; a URL is refused here, before anything is created.
         object.__setattr__(self, "src", local_path(self.src, "SRC"))
-        object.__setattr__(self, "out", local_path(self.out, "OUT"))
+        object.__setattr__(self, "out", self.out if is_url(self.out) else local_path(self.out, "OUT"))
 
     def validate(self) -> None:
         if not 0 <= self.val_fraction < 1:
@@ -298,8 +298,10 @@ class _Clock:
 
 
 def shard(cfg: ShardConfig) -> Summary:
-    """Convert cfg.src into shards under cfg.out (resuming, skipping or refusing as the folder requires)."""
+    """Convert cfg.src into shards under cfg.out (resuming, skipping or refusing as needed; a URL: publish.py)."""
     cfg.validate()
+    if is_url(cfg.out):
+        return publish.shard_to_url(cfg, shard)
     start = time.perf_counter()
     source = discover(cfg.src, exclude=cfg.out)
     cfg.out.mkdir(parents=True, exist_ok=True)

@@ -54,7 +54,8 @@ def tuned_workers(manifest, cfg, backend: str, seconds: float = 2.0) -> int:
     import logging
     import platform
 
-    key = "|".join(map(str, (platform.node(), usable_cores(), manifest.root.resolve(),
+    where = manifest.location if manifest.remote else manifest.root.resolve()
+    key = "|".join(map(str, (platform.node(), usable_cores(), where,
                              manifest.settings.get("fingerprint", ""), backend, cfg.image_size, cfg.batch_size)))
     path = _cache_path()
     try:

@@ -12,12 +12,13 @@ AMP_MODES = ("fp16", "bf16", "off")
 OPTIMIZERS = ("sgd", "adamw")
 # What a resumed run may change: how long it runs and where, not what it trains.
 RESUMABLE_CHANGES = {"epochs", "stop_after", "workers", "resume", "out", "log_every", "device", "data",
-                     "checkpoint_every"}
+                     "checkpoint_every", "cache_dir", "cache_limit"}
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    data: str = opt(None, "converter output folder (dataset.json inside)", positional=True)
+    data: str = opt(None, "converter output folder (dataset.json inside), or its URL (s3://, gs://, az://, "
+                          "http(s)://; credentials from the store's usual environment)", positional=True)
     model: str = opt("resnet18", "torchvision model name (resnet18/50, mobilenet_v3_large, efficientnet_b0, "
                                  "convnext_tiny, vit_b_16, ...)")
     backend: str = opt("torch", "loader backend", choices=BACKEND_NAMES)
@@ -49,6 +50,10 @@ class TrainConfig:
     stop_after: int | None = opt(None, "leave after N epochs of this invocation (resumable), for time-limited jobs")
     checkpoint_every: int | None = opt(None, "also save last.pt every N optimizer steps (mid-epoch; SIGTERM and "
                                              "Ctrl-C always save one)")
+    cache_dir: str | None = opt(None, "remote data (s3://, gs://, az://, http(s)://): this node's shard cache "
+                                      "(default ~/.cache/fastpipe/shards or $FASTPIPE_CACHE)")
+    cache_limit: str | None = opt(None, "remote data: keep the shard cache under this size, e.g. 50GB "
+                                        "(least recently used shards go first; default: no limit)")
     seed: int = opt(0, "seed for the model, the data order and the augmentations")
     pretrained: str | None = opt(None, "local weights file to start from (no downloads)")
     balance: bool = opt(False, "class-balanced sampling")

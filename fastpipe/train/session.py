@@ -137,7 +137,7 @@ def _check_resume(cfg: TrainConfig, run: Run) -> None:
 def train(cfg: TrainConfig) -> Path:
     """Train cfg.model on cfg.data; returns the run folder."""
     cfg.validate()
-    manifest = load(cfg.data)
+    manifest = load(cfg.data, cache_dir=cfg.cache_dir, cache_limit=cfg.cache_limit)
     d, device = setup_distributed(cfg.device)
     cfg = resolve(cfg, device)
     run = Run(Path(cfg.out))
@@ -171,7 +171,7 @@ def train(cfg: TrainConfig) -> Path:
         if not has_val:
             print("no validation split in the data set: training without evaluation", file=sys.stderr)
         run.start({"train": asdict(cfg), "versions": versions(), "device": _device_info(device),
-                   "world_size": d.world, "data": {"root": str(manifest.root), "classes": list(manifest.classes),
+                   "world_size": d.world, "data": {"root": manifest.location, "classes": list(manifest.classes),
                                                    "mean": manifest.mean, "std": manifest.std},
                    "loader": train_loader(image_size_for_epoch(cfg, 0)).describe()})
         run.truncate_metrics(start.epoch, trainer.global_step)
