@@ -129,9 +129,17 @@ class ShardCache:
     def _fetch(self, todo: dict[int, np.ndarray], keep: set[int]) -> None:
         held, contested = [], []
         for i, js in todo.items():
+            fd, _, have = self._open[i]
             order = js[np.argsort(self.spans[i][js, 0])]
             for start, end, rows in coalesce(self.spans[i][order]):
-                (held if _try_lock(self._open[i][0], start, end) else contested).append((i, start, end, order[rows]))
+                if not _try_lock(fd, start, end):
+                    contested.append((i, start, end, order[rows]))
+                    continue
+                still = order[rows][have[order[rows]] == 0]  # another process may have fetched them meanwhile
+                if len(still):
+                    held.append((i, start, end, still))
+                else:
+                    _unlock(fd, start, end)
         try:
             self._download(held)
         finally:

@@ -41,17 +41,12 @@ class RemoteError(DataError):
 
 
 class Counters:
-    """Requests, bytes and retries of this process since the last `take()` (a worker ships them with a batch)."""
+    """Requests, bytes and retries of this process since the last `take()` (a worker ships them with a batch).
+    A forked worker starts from zero: its parent's counts are the parent's to report."""
 
     def __init__(self):
-        self.lock = threading.Lock()
+        self.lock, self.pid = threading.Lock(), os.getpid()
         self.requests = self.bytes = self.retries = 0
-
-    def add(self, requests: int = 0, nbytes: int = 0, retries: int = 0) -> None:
-        with self.lock:
-            self.requests += requests
-            self.bytes += nbytes
-            self.retries += retries
 
     def __getstate__(self):  # a new process counts from zero
         return {}
@@ -59,7 +54,19 @@ class Counters:
     def __setstate__(self, state):
         self.__init__()
 
+    def _mine(self) -> None:
+        if self.pid != os.getpid():
+            self.__init__()
+
+    def add(self, requests: int = 0, nbytes: int = 0, retries: int = 0) -> None:
+        self._mine()
+        with self.lock:
+            self.requests += requests
+            self.bytes += nbytes
+            self.retries += retries
+
     def take(self) -> tuple[int, int, int]:
+        self._mine()
         with self.lock:
             out = (self.requests, self.bytes, self.retries)
             self.requests = self.bytes = self.retries = 0

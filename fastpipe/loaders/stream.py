@@ -85,7 +85,8 @@ def fetched_ahead(shards: ShardSet, plan):
         yield from plan
         return
     batches = list(plan)
-    windows = [batches[k: k + FETCH_WINDOW] for k in range(0, len(batches), FETCH_WINDOW)]
+    # The first batch alone, so that decoding starts after one small fetch; then windows of FETCH_WINDOW.
+    windows = [batches[:1]] + [batches[k: k + FETCH_WINDOW] for k in range(1, len(batches), FETCH_WINDOW)]
     pool = ThreadPoolExecutor(1, thread_name_prefix="fastpipe-fetch")
 
     def submit(w):
