@@ -61,18 +61,26 @@ class _Handler(SimpleHTTPRequestHandler):
     def log_message(self, *args):  # quiet
         pass
 
-    def do_GET(self):
+    def _faulted(self) -> bool:
+        """Apply this request's latency and fault; True when the fault was the whole answer (a reset, a 503)."""
         fault = self.faults.next(self.path)
         if self.faults.latency:
             time.sleep(self.faults.latency)
         if fault == "reset":
             self.close_connection = True
             self.connection.shutdown(2)
-            return
-        if fault == "error":
-            return self._reply(503, b"<Error><Code>SlowDown</Code></Error>")
+            return True
+        if fault == "error":  # S3's throttling answer, which s3fs and botocore recognise
+            self._reply(503, b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message>"
+                             b"</Error>", {"Content-Type": "application/xml"})
+            return True
         if fault == "stall":
             time.sleep(self.faults.stall)
+        return False
+
+    def do_GET(self):
+        if self._faulted():
+            return
         path = Path(self.translate_path(self.path))
         if not path.is_file():
             return self._reply(404, b"not found")
@@ -116,18 +124,8 @@ class _Proxy(_Handler):
     def _forward(self):
         import http.client
 
-        fault = self.faults.next(self.path)
-        if self.faults.latency:
-            time.sleep(self.faults.latency)
-        if fault == "reset":
-            self.close_connection = True
-            self.connection.shutdown(2)
+        if self._faulted():
             return
-        if fault == "error":
-            return self._reply(503, b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate."
-                                    b"</Message></Error>", {"Content-Type": "application/xml"})
-        if fault == "stall":
-            time.sleep(self.faults.stall)
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         conn = http.client.HTTPConnection(self.target.split("://", 1)[1], timeout=60)
         conn.request(self.command, self.path, body=body, headers=dict(self.headers.items()))
