@@ -144,6 +144,12 @@ class _Proxy(_Handler):
     do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
 
 
+class _Server(ThreadingHTTPServer):
+    # socketserver's default backlog is 5: with 16 requests in flight from each of several processes, connections
+    # beyond it see their SYN dropped and retried after 1, 2, 4... s (a minute in all), which a store never does.
+    request_queue_size = 1024
+
+
 class FolderServer:
     """`with FolderServer(folder, Faults(...)) as url:` serves `folder` at http://127.0.0.1:PORT; with
     `proxy_to=URL` it forwards to that server instead (faults in front of an S3-protocol server)."""
@@ -152,7 +158,7 @@ class FolderServer:
         self.faults = faults or Faults()
         handler = (partial(_Proxy, target=proxy_to, faults=self.faults) if proxy_to else
                    partial(_Handler, directory=str(folder), faults=self.faults))
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.httpd = _Server(("127.0.0.1", 0), handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)

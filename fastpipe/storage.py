@@ -30,6 +30,8 @@ PROTOCOL_EXTRAS = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "
 
 
 _INHERITED: list = []
+_FORKS = [0]  # forks made by this process: a client made before one is not used after it
+os.register_at_fork(after_in_parent=lambda: _FORKS.__setitem__(0, _FORKS[0] + 1))
 
 
 def is_url(text) -> bool:
@@ -123,11 +125,15 @@ class Remote:
         return self.url.split("://", 1)[0].lower()
 
     def _client(self):
-        if self._local is None or self._local[0] != os.getpid():
-            if self._local is not None:  # a forked child: the parent's client is bound to the parent's event
-                _INHERITED.append(self._local)  # loop; freeing it here would try to close it on ours
+        """This process's client, made anew after every fork. In a child, the parent's is bound to the parent's
+        event loop. In the parent, its pooled keep-alive connections did not survive the fork well (seen here:
+        a request on one waited for the full timeout), so they are not reused."""
+        key = (os.getpid(), _FORKS[0])
+        if self._local is None or self._local[0] != key:
+            if self._local is not None:  # freeing the old client would try to close it on the wrong loop
+                _INHERITED.append(self._local)
             fs, root = open_fs(self.url, self.options, self.timeout)
-            self._local = (os.getpid(), fs, root, ThreadPoolExecutor(self.inflight, thread_name_prefix="fastpipe-io"))
+            self._local = (key, fs, root, ThreadPoolExecutor(self.inflight, thread_name_prefix="fastpipe-io"))
         return self._local[1:]
 
     def join(self, rel: str) -> str:
@@ -217,7 +223,7 @@ def open_fs(url: str, options: dict, timeout: float):
         if os.environ.get("AWS_ENDPOINT_URL") and "endpoint_url" not in opts.get("client_kwargs", {}):
             opts.setdefault("client_kwargs", {})["endpoint_url"] = os.environ["AWS_ENDPOINT_URL"]
     try:
-        fs, root = fsspec.core.url_to_fs(url, **opts)
+        fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, **opts)  # a client of our own (see _client)
         if hasattr(fs, "retries") and protocol in ("s3", "s3a"):
             fs.retries = 1  # s3fs's own retry loop; ours counts and bounds them
         return fs, root
