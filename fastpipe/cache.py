@@ -233,12 +233,6 @@ class ShardCache:
             warnings.warn(f"the shard cache {self.folder} needs {used / 1e6:,.1f} MB for the shards of one fetch, over "
                           f"its limit of {self.limit / 1e6:,.1f} MB: raise cache_limit", stacklevel=4)
 
-    def close(self) -> None:
-        for fd, m, _ in self._open.values():
-            _close(m)
-            os.close(fd)
-        self._open = {}
-
 
 def _create(path: Path, size: int) -> None:
     """A sparse file of `size` zero bytes, created atomically (another process may be creating the same one)."""
