@@ -18,7 +18,6 @@ lets go). Damage to a partly fetched shard is found when it completes.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import mmap
@@ -72,15 +71,18 @@ class ShardCache:
         self.rel, self.sizes, self.sha, self.spans = rel_paths, sizes, sha256s, spans
         self.folder.mkdir(parents=True, exist_ok=True)
         self._open: dict[int, tuple[int, mmap.mmap, np.ndarray]] = {}
-        self._lock = threading.Lock()
+        # Two locks, so that decoding never waits behind a fetch ahead: `_lock` guards `_open` and is held only
+        # briefly; `_fetching` makes one thread at a time fetch, verify or evict (byte-range locks keep other
+        # processes apart, not the threads of one).
+        self._lock, self._fetching = threading.Lock(), threading.Lock()
         self._warned = False
 
     def __getstate__(self):
-        return {**self.__dict__, "_open": {}, "_lock": None}
+        return {**self.__dict__, "_open": {}, "_lock": None, "_fetching": None}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._lock, self._fetching = threading.Lock(), threading.Lock()
 
     def path(self, i: int) -> Path:
         return self.folder / f"{self.sha[i]}.shard"
@@ -106,25 +108,35 @@ class ShardCache:
         path = self.path(i)
         if not path.exists():
             return
-        with self._lock:
-            have = self._file(i)[2]
-            if have.all() and not _stamped(path):
+        with self._fetching:
+            with self._lock:
+                complete = self._file(i)[2].all()
+            if complete and not _stamped(path):
                 self._verify(i, refetch=False)
 
     def ensure(self, wanted: dict[int, np.ndarray]) -> dict[int, mmap.mmap]:
         """Make the samples present: {shard: sample indices within it}; the maps they are present in. Read them
         through these maps: a cached file evicted later stays readable through its map, while the shard's next
         file (after eviction) may not hold them. Thread-safe; other processes share the files."""
-        with self._lock:
-            todo = {}
-            for i, js in wanted.items():
-                have = self._file(i)[2]
-                missing = np.unique(js[have[js] == 0])
-                if len(missing):
-                    todo[i] = missing
+        with self._lock:  # usually all here (fetched ahead): presence and maps taken together, no waiting
+            if not self._missing(wanted):
+                return {i: self._file(i)[1] for i in wanted}
+        with self._fetching:
+            with self._lock:
+                todo = self._missing(wanted)
             if todo:
                 self._fetch(todo, keep=set(wanted))
-            return {i: self._file(i)[1] for i in wanted}
+            with self._lock:  # before anything else may evict them
+                return {i: self._file(i)[1] for i in wanted}
+
+    def _missing(self, wanted: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        todo = {}
+        for i, js in wanted.items():
+            have = self._file(i)[2]
+            missing = np.unique(js[have[js] == 0])
+            if len(missing):
+                todo[i] = missing
+        return todo
 
     def _fetch(self, todo: dict[int, np.ndarray], keep: set[int]) -> None:
         held, contested = [], []
@@ -189,7 +201,8 @@ class ShardCache:
                           stacklevel=3)
             return
         all_samples = np.arange(len(self.spans[i]))
-        self._file(i)
+        with self._lock:
+            self._file(i)
         self._download([(i, s, e, all_samples[rows]) for s, e, rows in coalesce(self.spans[i])])
         if hashlib.sha256(self._open[i][1][: self.sizes[i]]).hexdigest() != self.sha[i]:
             self._drop(i)
@@ -198,10 +211,12 @@ class ShardCache:
         _stamp(self.path(i))
 
     def _drop(self, i: int) -> None:
-        fd, m, _ = self._open.pop(i)
+        """Forget a cached file and delete it. Its map is not closed: a reader may hold it (see `ensure`); it
+        closes when the last one lets go."""
+        with self._lock:
+            fd, _, _ = self._open.pop(i)
         for p in (self.path(i), _stamp_path(self.path(i))):
             p.unlink(missing_ok=True)
-        _close(m)
         os.close(fd)
 
     def _evict(self, keep: set[int]) -> None:
@@ -217,7 +232,8 @@ class ShardCache:
                 files.append((st.st_atime_ns, st.st_blocks * 512, Path(e.path)))
         used = sum(f[1] for f in files)
         kept = {self.path(i) for i in keep}
-        mine = {self.path(i): i for i in self._open}
+        with self._lock:
+            mine = {self.path(i): i for i in self._open}
         for _, nbytes, path in sorted(files):
             if used <= self.limit:
                 return
@@ -287,11 +303,6 @@ def _stamp(path: Path) -> None:
     tmp = _stamp_path(path).with_name(f".{path.stem}.ok.{os.getpid()}")
     tmp.write_text(str(path.stat().st_mtime_ns))
     tmp.replace(_stamp_path(path))
-
-
-def _close(m: mmap.mmap) -> None:
-    with contextlib.suppress(BufferError):  # views of it are alive (a batch being decoded): it closes with them
-        m.close()
 
 
 __all__ = ["ShardCache", "coalesce", "default_cache_dir"]

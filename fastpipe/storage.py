@@ -19,6 +19,7 @@ import os
 import random
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 from fastpipe.errors import ConfigError, DataError, MissingDependency
@@ -29,9 +30,28 @@ PROTOCOL_EXTRAS = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "
                    "http": "aiohttp", "https": "aiohttp"}
 
 
-_INHERITED: list = []
-_FORKS = [0]  # forks made by this process: a client made before one is not used after it
-os.register_at_fork(after_in_parent=lambda: _FORKS.__setitem__(0, _FORKS[0] + 1))
+# The filesystem clients made in this process, by id: fsspec clients of one URL compare equal, so a WeakSet
+# would hold one of them.
+_MADE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_INHERITED: list = []  # a forked child's copies of its parent's clients: kept, never used, never closed
+
+
+def _after_fork_in_child() -> None:
+    """The parent's clients are the parent's. Freed in a child, fsspec's finalizer closes a client's session on
+    the parent's event loop, which does not run here: it waited for a timeout (seconds at each worker's start,
+    seen here), then closed the connections itself, and so took their sockets out of the epoll set that parent and
+    child share: the parent's next requests on them waited for the full read timeout. So a child keeps them alive
+    and their finalizers detached."""
+    inherited = list(_MADE.values())
+    _INHERITED.extend(inherited)
+    ids = {id(c) for c in inherited}
+    for f in list(getattr(weakref.finalize, "_registry", {})):
+        info = f.peek()
+        if info is not None and id(info[0]) in ids:
+            f.detach()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def is_url(text) -> bool:
@@ -125,15 +145,12 @@ class Remote:
         return self.url.split("://", 1)[0].lower()
 
     def _client(self):
-        """This process's client, made anew after every fork. In a child, the parent's is bound to the parent's
-        event loop. In the parent, its pooled keep-alive connections did not survive the fork well (seen here:
-        a request on one waited for the full timeout), so they are not reused."""
-        key = (os.getpid(), _FORKS[0])
-        if self._local is None or self._local[0] != key:
-            if self._local is not None:  # freeing the old client would try to close it on the wrong loop
-                _INHERITED.append(self._local)
+        """This process's client: a forked child makes its own (the parent's is bound to the parent's event loop
+        and connections; see _after_fork_in_child)."""
+        if self._local is None or self._local[0] != os.getpid():
             fs, root = open_fs(self.url, self.options, self.timeout)
-            self._local = (key, fs, root, ThreadPoolExecutor(self.inflight, thread_name_prefix="fastpipe-io"))
+            _MADE[id(fs)] = fs
+            self._local = (os.getpid(), fs, root, ThreadPoolExecutor(self.inflight, thread_name_prefix="fastpipe-io"))
         return self._local[1:]
 
     def join(self, rel: str) -> str:

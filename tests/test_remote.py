@@ -128,6 +128,76 @@ def test_damaged_cached_shard_is_fetched_again(converted, tmp_path):
     assert loader.stats.fetched_bytes > 0
 
 
+def test_reading_cached_samples_never_waits_behind_a_fetch_ahead(converted, tmp_path):
+    """A worker fetches its next batches from a thread while it decodes this one: the decode must not wait for
+    that fetch (it did: one lock was held across the download)."""
+    import threading
+
+    from fastpipe.loaders.shards import ShardSet
+
+    faults = Faults()
+    with FolderServer(converted, faults) as url:
+        shards = ShardSet(load(url, cache_dir=tmp_path / "c"), "val")
+        shards.fetch([0])
+        faults.latency, before = 1.0, faults.requests  # from here on, every request answers after 1 s
+        shards.remote.counters.take()
+        ahead = threading.Thread(target=shards.fetch, args=([shards.total - 1],), kwargs={"remap": False})
+        ahead.start()
+        while faults.requests == before:  # the fetch ahead is at the server
+            time.sleep(0.01)
+        image = bytes(shards.read([0]).images[0])
+        answered = shards.remote.counters.take()[0]  # requests completed (counted when their bytes are in)
+        ahead.join()
+    assert answered == 0  # sample 0 was read while the fetch ahead still waited for its answer
+    assert shards.remote.counters.take()[0] == 1
+    assert image == ShardSet(load(converted), "val").sample(0).image
+
+
+def test_a_forked_worker_leaves_the_parents_clients_alone(converted):
+    """A DataLoader worker is a fork: garbage it inherits includes the parent's HTTP clients. Closing one there
+    waited a second per client (fsspec's finalizer, on the parent's loop, which does not run in the child) and
+    took the parent's pooled connections out of the epoll set they share, so the parent's next request on one
+    hung until its timeout. The child must leave them alone: no finalizer of theirs left to run, and the
+    parent's kept-alive connection still answering at once."""
+    import gc
+    import weakref
+
+    from fastpipe.storage import Remote
+
+    with FolderServer(converted) as url:
+        gc.disable()  # so that the garbage below is still there at the fork
+        kept = Remote(url)
+        kept.cat("dataset.json")  # a pooled keep-alive connection, made before the fork
+        clients = {id(kept._local[1])}
+        for _ in range(3):  # clients the parent is done with, in a reference cycle: garbage at the fork
+            r = Remote(url)
+            r.cat("dataset.json")
+            r.cycle = r
+            clients.add(id(r._local[1]))
+        del r
+
+        def closers():  # these clients' finalizers (fsspec's close_session) still to run
+            return [f for f in list(weakref.finalize._registry) if f.peek() and id(f.peek()[0]) in clients]
+
+        assert len(closers()) == 4
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: what a DataLoader worker does with garbage, then exit without cleanup
+            try:
+                gc.collect()
+                os.write(write, str(len(closers())).encode())
+            finally:
+                os._exit(0)
+        gc.enable()
+        os.close(write)
+        left = int(os.read(read, 16))
+        os.waitpid(pid, 0)
+        kept.counters.take()
+        assert kept.cat("dataset.json") == (converted / "dataset.json").read_bytes()
+    assert left == 0
+    assert kept.counters.take() == (1, (converted / "dataset.json").stat().st_size, 0)  # no retry, no timeout
+
+
 def test_a_store_that_keeps_failing_is_named_not_waited_for(converted, tmp_path, monkeypatch):
     monkeypatch.setenv("FASTPIPE_REMOTE_ATTEMPTS", "3")
     with FolderServer(converted, Faults(error_every=1, only=".tar")) as url:
