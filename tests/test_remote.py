@@ -114,6 +114,21 @@ def test_cache_evicts_least_recently_used_shards_under_its_limit(converted, tmp_
     assert loader.stats.fetched_bytes > sum(s.bytes for s in m.split("train").shards)  # it did evict and refetch
 
 
+def test_a_cache_limit_smaller_than_one_fetch_warns_and_loses_nothing(converted, tmp_path):
+    """A limit below one shard: every fetch overflows it. The loader says so once, with what to do, and still
+    reads every sample right, epoch after epoch (each refetched)."""
+    largest = max(s.bytes for s in load(converted).split("train").shards)
+    local = epoch(make_loader(converted, split="train", num_workers=0, **KW))
+    with FolderServer(converted) as url:
+        loader = make_loader(url, split="train", num_workers=0, cache_dir=tmp_path / "c", cache_limit=largest // 2,
+                             **KW)
+        with pytest.warns(UserWarning, match=r"over its limit of .* MB: raise cache_limit") as said:
+            first = epoch(loader)
+            second = epoch(loader)
+    assert first[:2] == local[:2] and second[:2] == local[:2]
+    assert len([w for w in said if "cache_limit" in str(w.message)]) == 1
+
+
 def test_damaged_cached_shard_is_fetched_again(converted, tmp_path):
     with FolderServer(converted) as url:
         good = epoch(make_loader(url, split="val", num_workers=0, cache_dir=tmp_path / "c", **KW))
@@ -221,6 +236,22 @@ def test_missing_data_set_and_missing_shard_say_what(converted, tmp_path):
             epoch(loader)
 
 
+@pytest.mark.parametrize(("url", "package"), [("gs://bucket/set", "gcsfs"), ("az://container/set", "adlfs")])
+def test_a_missing_store_client_names_the_package(url, package, tmp_path, capsys):
+    import importlib.util
+
+    from fastpipe.cli import main
+    from fastpipe.errors import MissingDependency
+
+    if importlib.util.find_spec(package):
+        pytest.skip(f"{package} is installed here")
+    with pytest.raises(MissingDependency, match=rf"needs {package}: pip install {package}"):
+        make_loader(url, cache_dir=tmp_path / "c")
+    assert main(["bench", url, "--cache-dir", str(tmp_path / "c")]) != 0  # the CLI: the message, no traceback
+    err = capsys.readouterr().err
+    assert f"pip install {package}" in err and "Traceback" not in err
+
+
 def test_credentials_never_leave_memory(converted, tmp_path):
     secret = "SECRET-abc123"
     with FolderServer(converted) as url:
@@ -259,6 +290,35 @@ def test_shard_into_s3_gives_the_local_bytes_and_leaves_only_the_cache(folder, t
     assert not (tmp_path / "cache" / "staging").exists() or not any((tmp_path / "cache" / "staging").iterdir())
     keys, labels, _ = epoch(make_loader("s3://leafs/written/v1", split="val", num_workers=0, **KW))
     assert (keys, labels) == epoch(make_loader(tmp_path / "local", split="val", num_workers=0, **KW))[:2]
+
+
+def test_an_interrupted_upload_resumes_with_the_same_bytes(folder, tmp_path, s3_bucket, monkeypatch, capsys):
+    """The store fails while `shard SRC s3://...` uploads: the run says so and keeps its staging folder, the
+    bucket has no dataset.json (no reader sees a partial set), and the same command run again finishes it."""
+    from fastpipe.cli import main
+    from fastpipe.storage import Remote
+
+    endpoint, _ = s3_bucket
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+                 "FASTPIPE_CACHE": str(tmp_path / "cache" / "shards"), "FASTPIPE_REMOTE_ATTEMPTS": "2"}.items():
+        monkeypatch.setenv(k, v)
+    args = ["shard", str(folder), "s3://leafs/resumed/v1", "--short-side", "48", "--val-fraction", "0.25",
+            "--max-shard-size", "64KB", "--workers", "1"]
+    with FolderServer(None, Faults(error_every=1, only=".idx"), proxy_to=endpoint) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy)
+        assert main(args) != 0
+    assert "still failing after 2 attempts" in capsys.readouterr().err
+    staging = tmp_path / "cache" / "staging"
+    assert any(staging.iterdir())
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    with pytest.raises(RemoteError, match=r"dataset\.json not found"):
+        Remote("s3://leafs/resumed/v1").cat("dataset.json")
+    assert main(args) == 0
+    assert not any(staging.iterdir())
+    assert main([*args[:2], "s3://leafs/written/v2", *args[3:]]) == 0  # a fresh run, for comparison
+    fresh, resumed = Remote("s3://leafs/written/v2"), Remote("s3://leafs/resumed/v1")
+    names = ["dataset.json"] + [s.path for split in ("train", "val") for s in load(fresh.url).split(split).shards]
+    assert [resumed.cat(n) for n in names] == [fresh.cat(n) for n in names]
 
 
 def test_train_and_bench_take_a_url(converted, tmp_path):
