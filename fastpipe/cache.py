@@ -139,6 +139,29 @@ class ShardCache:
         return todo
 
     def _fetch(self, todo: dict[int, np.ndarray], keep: set[int]) -> None:
+        touched = set(todo)
+        while todo:
+            held, contested = self._claim(todo)
+            try:
+                self._download(held)
+            finally:
+                for i, start, end, _ in held:
+                    _unlock(self._open[i][0], start, end)
+            todo = {}
+            for i, start, end, js in contested:  # another process is fetching these: wait for it, then re-check
+                fd, _, have = self._open[i]
+                fcntl.lockf(fd, fcntl.LOCK_EX, end - start, start)
+                _unlock(fd, start, end)
+                missing = js[have[js] == 0]  # the other fetch covered a different range, or failed
+                if len(missing):
+                    todo[i] = np.union1d(todo.get(i, missing), missing)
+        self._completed(touched)
+        self._evict(keep)
+
+    def _claim(self, todo: dict[int, np.ndarray]) -> tuple[list, list]:
+        """Coalesced ranges of the samples in `todo`: (those this process now holds the lock of and still needs,
+        those another process holds). Leftovers of the second are fetched together in the next round, in flight
+        at once, not one round trip after another."""
         held, contested = [], []
         for i, js in todo.items():
             fd, _, have = self._open[i]
@@ -152,23 +175,7 @@ class ShardCache:
                     held.append((i, start, end, still))
                 else:
                     _unlock(fd, start, end)
-        try:
-            self._download(held)
-        finally:
-            for i, start, end, _ in held:
-                _unlock(self._open[i][0], start, end)
-        for i, start, end, js in contested:  # another process fetched or is fetching these: wait, then re-check
-            fd, _, have = self._open[i]
-            fcntl.lockf(fd, fcntl.LOCK_EX, end - start, start)
-            try:
-                missing = js[have[js] == 0]
-                if len(missing):
-                    self._download([(i, int(self.spans[i][missing, 0].min()), int(self.spans[i][missing, 1].max()),
-                                     missing)])
-            finally:
-                _unlock(fd, start, end)
-        self._completed({i for i, *_ in held + contested})
-        self._evict(keep)
+        return held, contested
 
     def _download(self, parts: list[tuple[int, int, int, np.ndarray]]) -> None:
         if not parts:
