@@ -3,8 +3,9 @@
 The same shards are served by fastpipe.devserver in its own process (Range requests, `--latency` ms added to every
 request, as a store's time to first byte) and read with an empty node cache (the first epoch on a fresh machine:
 every byte comes over HTTP), then once more from the filled cache (every later epoch). Local and remote runs are
-interleaved in rounds; medians with ranges. On a machine whose cores all decode, the server's and the HTTP
-client's CPU time comes out of decoding: a real store's does not.
+interleaved in rounds; medians with ranges. On a machine whose cores all decode, the server's and the reading
+path's CPU time (HTTP client, cache writes, sha256 checks) comes out of decoding: the table gives both, as the
+loader workers' CPU seconds beside local's and the server process's (a real store's CPU is not yours).
 
     python benchmarks/bench_remote.py --workers 2 --latency 0,20,100 --json docs/results/remote.json
 
@@ -16,7 +17,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
@@ -33,7 +36,9 @@ from fastpipe.manifest import load
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shards", help="a converted data set (default: demo photos, generated and sharded)")
-    ap.add_argument("--photos", type=int, default=800, help="demo photos to generate without --shards")
+    ap.add_argument("--photos", type=int, default=6400,
+                    help="demo photos to generate without --shards (6400: about 6,000 train images, 100 MB, a "
+                         "few seconds an epoch, so that start-up is not most of it; about 5 minutes to make)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--latency", default="0,20,100", help="comma-separated ms added to each request")
     ap.add_argument("--batch-size", type=int, default=64)
@@ -62,19 +67,29 @@ def served(folder: Path, ms: float):
             "    print(url, flush=True); time.sleep(3600)")
     p = subprocess.Popen([sys.executable, "-c", code, str(folder), str(ms / 1000)], stdout=subprocess.PIPE, text=True)
     try:
-        yield p.stdout.readline().strip()
+        yield p.stdout.readline().strip(), p.pid
     finally:
         p.kill()
         p.wait()
 
 
-def one_epoch(where, args, cache: Path | None, keep: bool = False) -> dict:
+def cpu_seconds(pid: int | None = None) -> float:
+    """CPU time of the ended child processes (the loader's workers, once closed), or of process `pid`."""
+    if pid is None:
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def one_epoch(where, args, cache: Path | None, keep: bool = False, server: int | None = None) -> dict:
     kw = dict(split="train", batch_size=args.batch_size, image_size=args.image_size, num_workers=args.workers,
               device="cpu", normalize=False)
     if cache is not None:
         if not keep:
             shutil.rmtree(cache, ignore_errors=True)
         kw["cache_dir"] = cache
+    workers, served_cpu = cpu_seconds(), cpu_seconds(server) if server else 0.0
     start = time.perf_counter()
     loader = make_loader(where, **kw)
     it = iter(loader)
@@ -86,7 +101,8 @@ def one_epoch(where, args, cache: Path | None, keep: bool = False) -> dict:
     s = loader.stats
     return {"img_per_s": n / (end - start), "steady_img_per_s": (n - args.batch_size) / (end - first),
             "first_batch_s": first - start, "requests": s.requests, "mb": s.fetched_bytes / 1e6,
-            "retries": s.retries}
+            "retries": s.retries, "worker_cpu_s": cpu_seconds() - workers,
+            "server_cpu_s": cpu_seconds(server) - served_cpu if server else 0.0}
 
 
 def main(args) -> dict:
@@ -102,16 +118,16 @@ def main(args) -> dict:
     for r in range(args.rounds):
         runs["local"].append(one_epoch(shards, args, None))
         for ms in latencies:
-            with served(shards, ms) as url:
-                runs.setdefault(f"{ms:g} ms", []).append(one_epoch(url, args, cache))
+            with served(shards, ms) as (url, pid):
+                runs.setdefault(f"{ms:g} ms", []).append(one_epoch(url, args, cache, server=pid))
                 if ms == latencies[-1]:
-                    runs.setdefault("cached", []).append(one_epoch(url, args, cache, keep=True))
+                    runs.setdefault("cached", []).append(one_epoch(url, args, cache, keep=True, server=pid))
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]['img_per_s']:.0f}" for k, v in runs.items()))
     local = np.median([x["img_per_s"] for x in runs["local"]])
     rows = []
     for name, xs in runs.items():
         row = {"source": name, "requests": xs[-1]["requests"], "mb": xs[-1]["mb"],
-               "first_batch_s": float(np.median([x["first_batch_s"] for x in xs]))}
+               **{k: float(np.median([x[k] for x in xs])) for k in ("first_batch_s", "worker_cpu_s", "server_cpu_s")}}
         for key in ("img_per_s", "steady_img_per_s"):
             rates = [x[key] for x in xs]
             ratios = [x[key] / y[key] for x, y in zip(xs, runs["local"])]
@@ -120,10 +136,11 @@ def main(args) -> dict:
                         key + "_vs_local_range": [min(ratios), max(ratios)]})
         rows.append(row)
     print(f"\n{'source':>8} {'epoch img/s':>12} {'x local':>14} {'steady img/s':>13} {'x local':>14} "
-          f"{'1st batch':>9} {'requests':>8} {'MB':>5}")
+          f"{'1st batch':>9} {'requests':>8} {'MB':>5} {'worker CPU':>10} {'server CPU':>10}")
     for r in rows:
         print(f"{r['source']:>8} {r['img_per_s']:12.0f} {_ratio(r, 'img_per_s'):>14} {r['steady_img_per_s']:13.0f} "
-              f"{_ratio(r, 'steady_img_per_s'):>14} {r['first_batch_s']:8.2f}s {r['requests']:8d} {r['mb']:5.1f}")
+              f"{_ratio(r, 'steady_img_per_s'):>14} {r['first_batch_s']:8.2f}s {r['requests']:8d} {r['mb']:5.1f} "
+              f"{r['worker_cpu_s']:9.2f}s {r['server_cpu_s']:9.2f}s")
     result = {"machine": platform.node(), "cpus": __import__("os").cpu_count(), "workers": args.workers,
               "batch_size": args.batch_size, "image_size": args.image_size, "train_images": m.split("train").samples,
               "train_mb": train_mb, "local_img_per_s": float(local), "rows": rows, "rounds": args.rounds}
