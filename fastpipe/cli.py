@@ -138,8 +138,10 @@ def _cmd_index(a) -> int:
 
 def _cmd_inspect(a) -> int:
     from fastpipe.convert.inspect import inspect
+    from fastpipe.storage import is_url
 
-    report = inspect(local_path(a.out, "data set"), verify=a.verify, repair=a.repair)
+    out = a.out if is_url(a.out) else local_path(a.out, "data set")
+    report = inspect(out, verify=a.verify, repair=a.repair, cache_dir=a.cache_dir)
     print("\n".join(report.lines))
     return 0 if report.ok else 1
 
@@ -236,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help="check checksums and decode every sample")
     p.add_argument("--repair", action="store_true", help="with --verify's findings: leave undecodable samples out "
                    "of the .idx files (what DALI needs; the shards are not touched)")
+    p.add_argument("--cache-dir", help="for a URL: the node cache the shards are read through (default "
+                   "~/.cache/fastpipe/shards or $FASTPIPE_CACHE)")
     p.set_defaults(func=_cmd_inspect, interrupt_hint=again)
     _configured(sub, "train", TrainConfig, _cmd_train, "",
                 help="train a torchvision classifier on converted shards (AMP, DDP, run folder)",

@@ -252,6 +252,37 @@ def test_a_missing_store_client_names_the_package(url, package, tmp_path, capsys
     assert f"pip install {package}" in err and "Traceback" not in err
 
 
+def test_inspect_verify_reads_a_store_through_the_cache(converted, tmp_path, capsys):
+    """`fastpipe inspect URL --verify`: every shard fetched (faults included) and every sample decoded; a shard
+    altered in the store and one missing are named; --repair (it rewrites indexes) is refused with the way."""
+    import shutil
+
+    from fastpipe.cli import main
+    from fastpipe.convert.inspect import inspect
+    from fastpipe.errors import ConfigError
+
+    with FolderServer(converted, Faults(error_every=3, only=".tar")) as url:
+        assert main(["inspect", url, "--verify", "--cache-dir", str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{url}: ") and "all intact" in out
+    samples = sum(sp.samples for sp in load(converted).splits.values())
+    assert f"verified {samples} samples" in out
+    store = tmp_path / "store"
+    shutil.copytree(converted, store)
+    altered, missing = sorted(store.glob("train-*.tar"))[:2]
+    data = bytearray(altered.read_bytes())
+    data[700:900] = b"\0" * 200  # same size, other bytes
+    altered.write_bytes(bytes(data))
+    missing.unlink()
+    with FolderServer(store) as url:
+        report = inspect(url, verify=True, cache_dir=tmp_path / "c2")
+        with pytest.raises(ConfigError, match=r"--repair rewrites index files.*local folder"):
+            inspect(url, verify=True, repair=True, cache_dir=tmp_path / "c2")
+    assert not report.ok
+    assert any(altered.name in p and "sha256 differs" in p for p in report.problems)
+    assert any(missing.name in p and "not found" in p for p in report.problems)
+
+
 def test_credentials_never_leave_memory(converted, tmp_path):
     secret = "SECRET-abc123"
     with FolderServer(converted) as url:

@@ -1,5 +1,8 @@
 """`fastpipe inspect OUT [--verify [--repair]]`: what a converted data set holds, whether it is intact, and the
-repair DALI needs (it cannot skip an undecodable sample; its reader reads only what the `.idx` lists)."""
+repair DALI needs (it cannot skip an undecodable sample; its reader reads only what the `.idx` lists).
+
+OUT may be a URL: `--verify` then reads every shard through the node's cache (cache.py checks each against its
+sha256 as it completes) and decodes every sample. `--repair` rewrites index files, so it takes a local copy."""
 
 from __future__ import annotations
 
@@ -8,10 +11,11 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from fastpipe.errors import DataError
+from fastpipe.errors import ConfigError, DataError
 from fastpipe.manifest import Manifest, SplitInfo, load, save
 from fastpipe.shardformat import decode_label, entry_line, read_index, read_member, sha256_file, write_index
 from fastpipe.util import FolderLock, write_jsonl_atomic
@@ -33,7 +37,7 @@ class Report:
 
 
 def _summary(m: Manifest) -> list[str]:
-    lines = [f"{m.root}: {m.num_classes} classes"]
+    lines = [f"{m.location}: {m.num_classes} classes"]
     for name, sp in m.splits.items():
         size = sum(s.bytes for s in sp.shards) / 1e6
         lines.append(f"  {name:5s} {sp.samples:7d} samples in {len(sp.shards)} shards, {size:.1f} MB")
@@ -52,12 +56,23 @@ def _summary(m: Manifest) -> list[str]:
     lines.append("  mean " + " ".join(f"{x:.4f}" for x in m.mean) + "   std " + " ".join(f"{x:.4f}" for x in m.std))
     if m.settings.get("short_side"):
         lines.append(f"  stored short side {m.settings['short_side']} px, JPEG quality {m.settings['quality']}")
-    rejected = m.root / "rejected.jsonl"
-    if rejected.exists():
-        lines.append(f"  rejected at conversion: {len(rejected.read_text().splitlines())} (see {rejected})")
+    rejected = _rejected(m)
+    if rejected is not None:
+        lines.append(f"  rejected at conversion: {len(rejected.splitlines())} (see {m.location}/rejected.jsonl)")
     if m.settings.get("repaired"):
-        lines.append(f"  left out by `inspect --repair`: {m.settings['repaired']} (see {m.root / 'repaired.jsonl'})")
+        lines.append(f"  left out by `inspect --repair`: {m.settings['repaired']} (see {m.location}/repaired.jsonl)")
     return lines
+
+
+def _rejected(m: Manifest) -> str | None:
+    """rejected.jsonl's text, where the conversion left one."""
+    if m.remote is None:
+        path = m.root / "rejected.jsonl"
+        return path.read_text() if path.exists() else None
+    try:
+        return m.remote.cat("rejected.jsonl").decode("utf-8", "replace")
+    except DataError:  # not there (an adopted set), or the store refuses it: the summary goes on without it
+        return None
 
 
 def _check_sample(m: Manifest, fh, parts: dict) -> tuple[int | None, str | None]:
@@ -103,12 +118,49 @@ def _verify_shard(m: Manifest, split: str, shard, report: Report) -> int:
     return len(samples)
 
 
-def inspect(out: Path, verify: bool = False, repair: bool = False) -> Report:
-    m = load(out)
+def _verify_remote_shard(ss, split: str, i: int, shard, report: Report) -> int:
+    """Shard `i` of ShardSet `ss`, in a store, read through the node cache: fetched whole (a copy whose sha256
+    differs is fetched again, then reported), then every sample decoded."""
+    ids = np.arange(int(ss.starts[i]), int(ss.starts[i + 1]))
+    try:
+        ss.fetch(ids, np.full(len(ids), i))
+    except DataError as e:  # missing, still failing after the retries, or not the bytes dataset.json names
+        report.problems.append(str(e))
+        return 0
+    for j in ids.tolist():
+        (image_at, label_at, _), (image_size, label_size, _) = ss.offsets[j], ss.sizes[j]
+        label, problem = None, None
+        try:
+            label = ss.label(j, i, ss._bytes(i, int(label_at), int(label_size)))
+            Image.open(io.BytesIO(ss._bytes(i, int(image_at), int(image_size)))).load()
+        except Exception as e:  # any failure here is a finding to report, not a crash
+            problem = f"{type(e).__name__}: {e}"
+        if problem:
+            report.bad.append({"split": split, "shard": shard.path, "key": ss.keys[j], "label": label,
+                               "reason": problem[:300]})
+    return len(ids)
+
+
+def inspect(out, verify: bool = False, repair: bool = False, storage_options: dict | None = None,
+            cache_dir=None) -> Report:
+    m = load(out, storage_options, cache_dir)
+    if m.remote is not None and repair:
+        raise ConfigError(f"--repair rewrites index files, which fastpipe does not do in a store: copy {m.location} "
+                          f"to a local folder (e.g. `aws s3 sync`), repair it there, and upload it again")
     report = Report(_summary(m))
     if verify or repair:
-        shards = [(name, s) for name, sp in m.splits.items() for s in sp.shards]
-        checked = sum(_verify_shard(m, n, s, report) for n, s in tqdm(shards, desc="verifying", unit="shard"))
+        shards = [(name, k, s) for name, sp in m.splits.items() for k, s in enumerate(sp.shards)]
+        if m.remote is None:
+            def check(name, k, s):
+                return _verify_shard(m, name, s, report)
+        else:
+            from fastpipe.loaders.shards import ShardSet
+
+            sets = {name: ShardSet(m, name) for name in m.splits}
+
+            def check(name, k, s):
+                return _verify_remote_shard(sets[name], name, k, s, report)
+        checked = sum(check(*x) for x in tqdm(shards, desc="verifying", unit="shard"))
         found = len(report.problems) + len(report.bad) + len(report.altered)
         report.lines.append(f"verified {checked} samples in {len(shards)} shards: "
                             + (f"{found} problems" if found else "all intact"))
@@ -120,8 +172,9 @@ def inspect(out: Path, verify: bool = False, repair: bool = False) -> Report:
             report.lines += repair_indexes(m, report.bad)
             report.repaired = True
         elif report.bad:
+            where = m.location if m.remote is None else "a local copy of it"
             report.lines.append(f"  {len(report.bad)} undecodable samples: the torch and nvjpeg backends skip them, "
-                                f"DALI stops. `fastpipe inspect {m.root} --repair` leaves them out of the .idx "
+                                f"DALI stops. `fastpipe inspect --repair` of {where} leaves them out of the .idx "
                                 f"files (the shards stay as they are)")
     return report
 
