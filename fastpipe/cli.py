@@ -131,7 +131,7 @@ def _cmd_index(a) -> int:
         return 0
     manifest = index_shards(cfg)
     print(f"indexed {sum(s.samples for s in manifest.splits.values())} samples in "
-          f"{sum(len(s.shards) for s in manifest.splits.values())} shards -> {manifest.root / 'dataset.json'}"
+          f"{sum(len(s.shards) for s in manifest.splits.values())} shards -> {manifest.location}/dataset.json"
           + (f"\nnote: {manifest.settings['note']}" if manifest.settings.get("note") else ""))
     return 0
 

@@ -186,6 +186,21 @@ class Remote:
         self.counters.add(len(parts), sum(e - s for _, s, e in parts))
         return out
 
+    def exists(self, rel: str) -> bool:
+        fs, root, _ = self._client()
+        return bool(self._retry(lambda: fs.exists(f"{root}/{rel}"), self.join(rel)))
+
+    def get_many(self, files: list[tuple[str, os.PathLike]]) -> None:
+        """Download whole objects to local files (relative name, local path), several at a time, each retried."""
+        fs, root, pool = self._client()
+
+        def one(item):
+            rel, local = item
+            self._retry(lambda: fs.get_file(f"{root}/{rel}", str(local)), self.join(rel))
+            self.counters.add(1, os.path.getsize(local))
+
+        list(pool.map(one, files))
+
     def put_many(self, files: list[tuple[os.PathLike, str]]) -> None:
         """Upload local files to objects (local path, relative name), several at a time, each retried."""
         fs, root, pool = self._client()

@@ -352,6 +352,47 @@ def test_an_interrupted_upload_resumes_with_the_same_bytes(folder, tmp_path, s3_
     assert [resumed.cat(n) for n in names] == [fresh.cat(n) for n in names]
 
 
+def test_index_adopts_foreign_shards_in_a_bucket(tmp_path, s3_bucket, monkeypatch, capsys):
+    """`fastpipe index s3://.../a.tar ... --val ...`: shards another tool wrote into a bucket get their .idx files
+    and dataset.json beside them (the tars untouched, nothing left on local disk but the cache), and read back
+    exactly as the same shards indexed locally; indexing again needs --overwrite."""
+    import webdataset as wds
+    from conftest import COLORS, photo
+
+    from fastpipe.cli import main
+    from fastpipe.convert.foreign import IndexConfig, index_shards
+    from fastpipe.storage import Remote
+
+    endpoint, _ = s3_bucket
+    for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1", "FASTPIPE_CACHE": str(tmp_path / "cache" / "shards")}.items():
+        monkeypatch.setenv(k, v)
+    local = tmp_path / "local"
+    local.mkdir()
+    with wds.ShardWriter(str(local / "part-%03d.tar"), maxcount=6) as sink:
+        for i in range(15):
+            color = ("red", "green", "blue")[i % 3]
+            sink.write({"__key__": f"s{i:04d}", "jpg": photo(COLORS[color], seed=i), "cls": str(i % 3).encode()})
+    tars = sorted(local.glob("part-*.tar"))
+    bucket = Remote("s3://leafs/foreign")
+    bucket.put_many([(t, t.name) for t in tars])
+    urls = [f"s3://leafs/foreign/{t.name}" for t in tars]
+    assert main(["index", *urls[:2], "--val", urls[2]]) == 0
+    assert "-> s3://leafs/foreign/dataset.json" in capsys.readouterr().out
+    index_shards(IndexConfig(tars[:2], val=tars[2:]))  # the same shards, indexed on the local disk
+    for t in tars:
+        assert bucket.cat(t.name) == t.read_bytes()  # the shards are not rewritten
+        assert bucket.cat(t.with_suffix(".idx").name) == t.with_suffix(".idx").read_bytes()
+    assert not any((tmp_path / "cache" / "staging").iterdir())
+    for split in ("train", "val"):
+        remote = epoch(make_loader("s3://leafs/foreign", split=split, num_workers=0, **KW))
+        assert remote[:2] == epoch(make_loader(local, split=split, num_workers=0, **KW))[:2]
+    assert main(["index", *urls[:2], "--val", urls[2]]) == 2
+    assert "add --overwrite" in capsys.readouterr().err
+    assert main(["index", urls[0], "s3://leafs/elsewhere/part-000.tar"]) == 2
+    assert "all in one folder" in capsys.readouterr().err
+
+
 def test_train_and_bench_take_a_url(converted, tmp_path):
     from fastpipe.cli import main
 

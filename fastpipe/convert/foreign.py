@@ -181,6 +181,12 @@ def index_only(paths: list[Path]) -> int:
 
 
 def index_shards(cfg: IndexConfig) -> Manifest:
+    from fastpipe.storage import is_url
+
+    if any(is_url(str(p)) for p in [*cfg.train, *cfg.val]):
+        from fastpipe.convert.publish import index_to_url
+
+        return index_to_url(cfg, index_shards)
     train, val, note = _split_files(cfg)
     out = local_path(cfg.out, "--out") if cfg.out else train[0].parent
     shard_paths = {_inside(p, out) for p in train + val}

@@ -1,4 +1,5 @@
-"""`fastpipe shard SRC s3://bucket/prefix`: a conversion written into object storage.
+"""`fastpipe shard SRC s3://bucket/prefix`: a conversion written into object storage; and `fastpipe index` of
+shards already in a store (their indexes and manifest written beside them).
 
 The conversion runs into a staging folder on this node (beside the shard cache), exactly as a local one (resumable,
 byte-deterministic), and is then uploaded: every shard, index, preview and rejection record first, several at a
@@ -20,8 +21,8 @@ from pathlib import Path
 
 from fastpipe.cache import default_cache_dir
 from fastpipe.errors import ConfigError
-from fastpipe.manifest import MANIFEST_NAME
-from fastpipe.storage import Remote
+from fastpipe.manifest import MANIFEST_NAME, load
+from fastpipe.storage import Remote, is_url
 
 
 def staging_folder(url: str) -> Path:
@@ -44,14 +45,43 @@ def shard_to_url(cfg, shard, storage_options: dict | None = None):
     return summary
 
 
-def upload(folder: Path, remote: Remote) -> None:
-    """Every file fastpipe wrote in `folder` (not its lock or journal), dataset.json last."""
-    files = [p for p in sorted(folder.rglob("*")) if p.is_file() and not any(
-        part.startswith(".") for part in p.relative_to(folder).parts)]
+def index_to_url(cfg, index_shards, storage_options: dict | None = None):
+    """`fastpipe index URL/a.tar URL/b.tar ...`: foreign shards already in a store. Each is downloaded once into a
+    staging folder (a tar is read whole to index it), indexed there, and the `.idx` files, previews and
+    dataset.json (last) are uploaded beside the shards, which are not rewritten."""
+    urls = [str(u).rstrip("/") for u in [*cfg.train, *cfg.val]]
+    prefix = urls[0].rsplit("/", 1)[0]
+    if any(u.rsplit("/", 1)[0] != prefix for u in urls) or not all(is_url(u) for u in urls):
+        raise ConfigError(f"shards in a store are indexed together when they are all in one folder (prefix), "
+                          f"where dataset.json will go: {', '.join(urls[:3])}...")
+    if cfg.out or cfg.idx_only:
+        raise ConfigError("--out and --idx-only take local shards: shards in a store get their dataset.json and "
+                          ".idx files beside them")
+    remote = Remote(prefix, storage_options)
+    if remote.exists(MANIFEST_NAME) and not cfg.overwrite:
+        raise ConfigError(f"{prefix}/{MANIFEST_NAME} already describes a data set; `fastpipe index` would replace "
+                          f"it: add --overwrite")
+    staging = staging_folder(prefix + "#index")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    names = [u.rsplit("/", 1)[1] for u in urls]
+    remote.get_many([(n, staging / n) for n in names])
+    local = replace(cfg, train=[staging / n for n in names[: len(cfg.train)]],
+                    val=[staging / n for n in names[len(cfg.train):]])
+    index_shards(local)
+    upload(staging, remote, skip=set(names))
+    shutil.rmtree(staging)
+    return load(prefix, storage_options)  # the manifest as the store now has it
+
+
+def upload(folder: Path, remote: Remote, skip: set[str] = frozenset()) -> None:
+    """Every file fastpipe wrote in `folder` (not its lock or journal, nor those in `skip`), dataset.json last."""
+    files = [p for p in sorted(folder.rglob("*")) if p.is_file() and p.relative_to(folder).as_posix() not in skip
+             and not any(part.startswith(".") for part in p.relative_to(folder).parts)]
     manifest = folder / MANIFEST_NAME
     rest = [p for p in files if p != manifest]
     remote.put_many([(p, p.relative_to(folder).as_posix()) for p in rest])
     remote.put_many([(manifest, MANIFEST_NAME)])
 
 
-__all__ = ["shard_to_url", "staging_folder", "upload"]
+__all__ = ["index_to_url", "shard_to_url", "staging_folder", "upload"]
