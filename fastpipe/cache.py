@@ -62,6 +62,14 @@ def coalesce(spans: np.ndarray, gap: int = GAP, largest: int = MAX_REQUEST) -> l
     return out
 
 
+def tiling(ends: np.ndarray, shard_bytes: int) -> np.ndarray:
+    """Each sample's span in its shard, from the end of the previous sample's members (tar headers included) to
+    the end of its own, the last to the end of the shard: the spans tile it, so a shard whose samples are all
+    present is all there. `ends`: where each sample's last member ends, in file order."""
+    bounds = np.concatenate([[0], ends[:-1], [shard_bytes]]) if len(ends) else np.array([0, 0])
+    return np.stack([bounds[:-1], bounds[1:]], 1).astype(np.int64)
+
+
 class ShardCache:
     """Cached copies of one split's remote shards. `spans[i]` holds each sample's [start, end) in shard i."""
 
@@ -312,4 +320,4 @@ def _stamp(path: Path) -> None:
     tmp.replace(_stamp_path(path))
 
 
-__all__ = ["ShardCache", "coalesce", "default_cache_dir"]
+__all__ = ["ShardCache", "coalesce", "default_cache_dir", "tiling"]

@@ -17,7 +17,15 @@ from tqdm import tqdm
 
 from fastpipe.errors import ConfigError, DataError
 from fastpipe.manifest import Manifest, SplitInfo, load, save
-from fastpipe.shardformat import decode_label, entry_line, read_index, read_member, sha256_file, write_index
+from fastpipe.shardformat import (
+    decode_label,
+    entry_line,
+    parse_index,
+    read_index,
+    read_member,
+    sha256_file,
+    write_index,
+)
 from fastpipe.util import FolderLock, write_jsonl_atomic
 
 
@@ -118,27 +126,32 @@ def _verify_shard(m: Manifest, split: str, shard, report: Report) -> int:
     return len(samples)
 
 
-def _verify_remote_shard(ss, split: str, i: int, shard, report: Report) -> int:
-    """Shard `i` of ShardSet `ss`, in a store, read through the node cache: fetched whole (a copy whose sha256
-    differs is fetched again, then reported), then every sample decoded."""
-    ids = np.arange(int(ss.starts[i]), int(ss.starts[i + 1]))
+def _verify_remote_shard(m: Manifest, split: str, shard, report: Report) -> int:
+    """A shard in a store, read whole into the node cache the loaders share (the same file and spans; cache.py
+    checks it against its sha256 as it completes, fetching a bad copy once more), then every sample decoded."""
+    from fastpipe.cache import ShardCache, tiling
+
+    r = m.remote
+    exts = [e for e in (m.components.image, m.components.label_bin or m.components.label, m.components.meta) if e]
     try:
-        ss.fetch(ids, np.full(len(ids), i))
+        samples = parse_index(r.cat(shard.index), r.join(shard.index), shard.bytes)
+        ends = np.array([max(sum(parts[e]) for e in exts if e in parts) for _, parts in samples], np.int64)
+        cache = ShardCache(r, r.cache_dir, r.cache_limit, [shard.path], [shard.bytes], [shard.sha256],
+                           [tiling(ends, shard.bytes)])
+        cache.check(0)
+        cache.ensure({0: np.arange(len(samples))})
     except DataError as e:  # missing, still failing after the retries, or not the bytes dataset.json names
         report.problems.append(str(e))
         return 0
-    for j in ids.tolist():
-        (image_at, label_at, _), (image_size, label_size, _) = ss.offsets[j], ss.sizes[j]
-        label, problem = None, None
-        try:
-            label = ss.label(j, i, ss._bytes(i, int(label_at), int(label_size)))
-            Image.open(io.BytesIO(ss._bytes(i, int(image_at), int(image_size)))).load()
-        except Exception as e:  # any failure here is a finding to report, not a crash
-            problem = f"{type(e).__name__}: {e}"
-        if problem:
-            report.bad.append({"split": split, "shard": shard.path, "key": ss.keys[j], "label": label,
-                               "reason": problem[:300]})
-    return len(ids)
+    if len(samples) != shard.samples:
+        report.problems.append(f"{r.join(shard.index)}: lists {len(samples)} samples, manifest {shard.samples}")
+    with open(cache.path(0), "rb") as fh:  # the shard's bytes, then the cache's presence bytes
+        for key, parts in samples:
+            label, problem = _check_sample(m, fh, parts)
+            if problem:
+                report.bad.append({"split": split, "shard": shard.path, "key": key, "label": label,
+                                   "reason": problem[:300]})
+    return len(samples)
 
 
 def inspect(out, verify: bool = False, repair: bool = False, storage_options: dict | None = None,
@@ -149,18 +162,9 @@ def inspect(out, verify: bool = False, repair: bool = False, storage_options: di
                           f"to a local folder (e.g. `aws s3 sync`), repair it there, and upload it again")
     report = Report(_summary(m))
     if verify or repair:
-        shards = [(name, k, s) for name, sp in m.splits.items() for k, s in enumerate(sp.shards)]
-        if m.remote is None:
-            def check(name, k, s):
-                return _verify_shard(m, name, s, report)
-        else:
-            from fastpipe.loaders.shards import ShardSet
-
-            sets = {name: ShardSet(m, name) for name in m.splits}
-
-            def check(name, k, s):
-                return _verify_remote_shard(sets[name], name, k, s, report)
-        checked = sum(check(*x) for x in tqdm(shards, desc="verifying", unit="shard"))
+        shards = [(name, s) for name, sp in m.splits.items() for s in sp.shards]
+        verify_shard = _verify_shard if m.remote is None else _verify_remote_shard
+        checked = sum(verify_shard(m, n, s, report) for n, s in tqdm(shards, desc="verifying", unit="shard"))
         found = len(report.problems) + len(report.bad) + len(report.altered)
         report.lines.append(f"verified {checked} samples in {len(shards)} shards: "
                             + (f"{found} problems" if found else "all intact"))

@@ -113,18 +113,17 @@ class ShardSet:
     def _check_remote(self, manifest: Manifest, info) -> None:
         """The indexes fetched (concurrently) and checked as for local shards; the shards' bytes are fetched when
         read. A cached shard is checked against its sha256 before use."""
-        from fastpipe.cache import ShardCache
+        from fastpipe.cache import ShardCache, tiling
 
         r = self.remote
         texts = r.cat_many([s.index for s in info.shards])
         for i, (shard, text) in enumerate(zip(info.shards, texts)):
             self._add_entries(manifest, i, shard, parse_index(text, r.join(shard.index), shard.bytes))
         spans = []
-        for i, shard in enumerate(info.shards):  # the samples' byte spans tile the shard (headers included), so
-            rows = slice(self.starts[i], self.starts[i + 1])  # a shard whose samples are all cached is all there
-            ends = np.where(self.offsets[rows] >= 0, self.offsets[rows] + self.sizes[rows], 0).max(1)
-            bounds = np.concatenate([[0], ends[:-1], [shard.bytes]]) if len(ends) else np.array([0, 0])
-            spans.append(np.stack([bounds[:-1], bounds[1:]], 1))
+        for i, shard in enumerate(info.shards):
+            rows = slice(self.starts[i], self.starts[i + 1])
+            spans.append(tiling(np.where(self.offsets[rows] >= 0, self.offsets[rows] + self.sizes[rows], 0).max(1),
+                                shard.bytes))
         self.cache = ShardCache(r, r.cache_dir, r.cache_limit, [s.path for s in info.shards],
                                 [s.bytes for s in info.shards], [s.sha256 for s in info.shards], spans)
         for i in range(len(info.shards)):
