@@ -126,7 +126,7 @@ def _cmd_index(a) -> int:
 
     cfg = config_from(a, IndexConfig)
     if cfg.idx_only:
-        n = index_only([Path(p) for p in [*cfg.train, *cfg.val]])
+        n = index_only([local_path(p, "shard") for p in [*cfg.train, *cfg.val]])  # .idx files are written beside
         print(f"wrote .idx files for {len(cfg.train) + len(cfg.val)} shards ({n} samples); no manifest touched")
         return 0
     manifest = index_shards(cfg)

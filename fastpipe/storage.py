@@ -43,6 +43,8 @@ def _after_fork_in_child() -> None:
     child share: the parent's next requests on them waited for the full read timeout. So a child keeps them alive
     and their finalizers detached."""
     inherited = list(_MADE.values())
+    if not inherited:  # a process that never read a store (local data): nothing to look through
+        return
     _INHERITED.extend(inherited)
     ids = {id(c) for c in inherited}
     for f in list(getattr(weakref.finalize, "_registry", {})):

@@ -391,6 +391,10 @@ def test_index_adopts_foreign_shards_in_a_bucket(tmp_path, s3_bucket, monkeypatc
     assert "add --overwrite" in capsys.readouterr().err
     assert main(["index", urls[0], "s3://leafs/elsewhere/part-000.tar"]) == 2
     assert "all in one folder" in capsys.readouterr().err
+    assert main(["index", "--idx-only", urls[0]]) == 2
+    assert "is a URL: here a local folder is needed" in capsys.readouterr().err  # not a path "s3:/..."
+    assert main(["inspect", "s3://leafs/foreign"]) == 0  # an adopted set has no rejected.jsonl: not an error
+    assert "s3://leafs/foreign: 3 classes" in capsys.readouterr().out
 
 
 def test_train_and_bench_take_a_url(converted, tmp_path):

@@ -115,9 +115,14 @@ def _verify_shard(m: Manifest, split: str, shard, report: Report) -> int:
     except (DataError, OSError) as e:
         report.problems.append(str(e))
         return 0
+    return _check_samples(m, split, shard, tar, tar, samples, report)
+
+
+def _check_samples(m: Manifest, split: str, shard, path: Path, where, samples: list, report: Report) -> int:
+    """Every sample of a shard whose bytes are at `path` (`where` names the shard in messages)."""
     if len(samples) != shard.samples:
-        report.problems.append(f"{tar}: index lists {len(samples)} samples, manifest {shard.samples}")
-    with open(tar, "rb") as fh:
+        report.problems.append(f"{where}: index lists {len(samples)} samples, manifest {shard.samples}")
+    with open(path, "rb") as fh:
         for key, parts in samples:
             label, problem = _check_sample(m, fh, parts)
             if problem:
@@ -143,15 +148,8 @@ def _verify_remote_shard(m: Manifest, split: str, shard, report: Report) -> int:
     except DataError as e:  # missing, still failing after the retries, or not the bytes dataset.json names
         report.problems.append(str(e))
         return 0
-    if len(samples) != shard.samples:
-        report.problems.append(f"{r.join(shard.index)}: lists {len(samples)} samples, manifest {shard.samples}")
-    with open(cache.path(0), "rb") as fh:  # the shard's bytes, then the cache's presence bytes
-        for key, parts in samples:
-            label, problem = _check_sample(m, fh, parts)
-            if problem:
-                report.bad.append({"split": split, "shard": shard.path, "key": key, "label": label,
-                                   "reason": problem[:300]})
-    return len(samples)
+    # the cached file holds the shard's bytes at their own offsets (then the cache's presence bytes)
+    return _check_samples(m, split, shard, cache.path(0), r.join(shard.path), samples, report)
 
 
 def inspect(out, verify: bool = False, repair: bool = False, storage_options: dict | None = None,
