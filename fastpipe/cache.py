@@ -207,7 +207,7 @@ class ShardCache:
     def _verify(self, i: int, refetch: bool) -> None:
         """Check a complete shard's sha256; a bad one is deleted, and fetched again once when `refetch`."""
         m = self._open[i][1]
-        if hashlib.sha256(m[: self.sizes[i]]).hexdigest() == self.sha[i]:
+        if hashlib.sha256(memoryview(m)[: self.sizes[i]]).hexdigest() == self.sha[i]:
             _stamp(self.path(i))
             return
         self._drop(i)
@@ -219,7 +219,7 @@ class ShardCache:
         with self._lock:
             self._file(i)
         self._download([(i, s, e, all_samples[rows]) for s, e, rows in coalesce(self.spans[i])])
-        if hashlib.sha256(self._open[i][1][: self.sizes[i]]).hexdigest() != self.sha[i]:
+        if hashlib.sha256(memoryview(self._open[i][1])[: self.sizes[i]]).hexdigest() != self.sha[i]:
             self._drop(i)
             raise DataError(f"{self.remote.join(self.rel[i])} does not match dataset.json (sha256 differs, fetched "
                             f"twice): the object was changed after conversion; re-run `fastpipe shard`, or restore it")

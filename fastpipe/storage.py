@@ -160,33 +160,56 @@ class Remote:
 
     def cat(self, rel: str) -> bytes:
         """A whole (small) object."""
-        fs, root, _ = self._client()
-        data = self._retry(lambda: fs.cat_file(f"{root}/{rel}"), self.join(rel))
-        self.counters.add(1, len(data))
-        return data
+        return self.cat_many([rel])[0]
 
     def cat_many(self, rels: list[str]) -> list[bytes]:
-        """Several whole (small) objects, concurrently."""
-        pool = self._client()[2]
-        return list(pool.map(self.cat, rels))
+        """Several whole (small) objects, concurrently: more at once than ranges (`.idx` files at start-up; a
+        round trip each is what they cost)."""
+        out = self._read([(rel, None, None) for rel in rels], inflight=max(64, self.inflight))
+        self.counters.add(len(rels), sum(map(len, out)))
+        return out
 
     def ranges(self, parts: list[tuple[str, int, int]]) -> list[bytes]:
         """Bytes [start, end) of object `rel` for each (rel, start, end), fetched concurrently; each exactly as
         long as asked."""
-        fs, root, pool = self._client()
-
-        def one(part):
-            rel, start, end = part
-            data = self._retry(lambda: fs.cat_file(f"{root}/{rel}", start=start, end=end), self.join(rel),
-                               (start, end))
-            if len(data) != end - start:
-                raise RemoteError(f"{self.join(rel)}: asked for bytes {start}-{end - 1}, got {len(data)} bytes: the "
-                                  f"object is shorter than dataset.json says, or the server ignores Range requests")
-            return data
-
-        out = list(pool.map(one, parts))
+        out = [self._checked(p, data) for p, data in zip(parts, self._read(parts))]
         self.counters.add(len(parts), sum(e - s for _, s, e in parts))
         return out
+
+    def _read(self, parts: list[tuple[str, int | None, int | None]], inflight: int | None = None) -> list[bytes]:
+        """(rel, start, end) each, None for a whole object; each retried. An async client (s3fs, gcsfs, adlfs,
+        http) gets them all in one call on its event loop, `inflight` at a time: a thread per request handing each
+        to that loop cost about 1.6x the CPU (0.23 s against 0.14 s per 100 MB over loopback, measured by hand),
+        and that comes out of decoding on a busy machine."""
+        fs, root, pool = self._client()
+        if not getattr(fs, "async_impl", False):
+            return list(pool.map(lambda p: self._retry(
+                lambda: fs.cat_file(f"{root}/{p[0]}", start=p[1], end=p[2]), self.join(p[0]), p[1:]), parts))
+        out: list = [None] * len(parts)
+        todo = list(range(len(parts)))
+        for attempt in range(1, self.attempts + 1):
+            got = fs.cat_ranges([f"{root}/{parts[k][0]}" for k in todo], [parts[k][1] for k in todo],
+                                [parts[k][2] for k in todo], batch_size=inflight or self.inflight, on_error="return")
+            failed = []
+            for k, data in zip(todo, got):
+                if isinstance(data, BaseException):
+                    self._give_up(data, self.join(parts[k][0]), parts[k][1:], attempt)
+                    failed.append(k)
+                else:
+                    out[k] = data
+            if not failed:
+                return out
+            self.counters.add(retries=len(failed))
+            self._backoff(attempt)
+            todo = failed
+        raise AssertionError("unreachable")
+
+    def _checked(self, part: tuple[str, int, int], data: bytes) -> bytes:
+        rel, start, end = part
+        if len(data) != end - start:
+            raise RemoteError(f"{self.join(rel)}: asked for bytes {start}-{end - 1}, got {len(data)} bytes: the "
+                              f"object is shorter than dataset.json says, or the server ignores Range requests")
+        return data
 
     def exists(self, rel: str) -> bool:
         fs, root, _ = self._client()
@@ -215,25 +238,32 @@ class Remote:
         list(pool.map(one, files))
 
     def _retry(self, call, url: str, span: tuple[int, int] | None = None):
-        where = f"{url}" + (f" bytes {span[0]}-{span[1] - 1}" if span else "")
         for attempt in range(1, self.attempts + 1):
             try:
                 return call()
-            except NotImplementedError as e:
-                raise RemoteError(f"{url}: this store does not take writes through fsspec ({self.protocol}://)") from e
-            except FileNotFoundError as e:
-                raise RemoteError(f"{url} not found: check the URL, or that the upload finished") from e
-            except PermissionError as e:
-                raise RemoteError(f"{url}: access refused ({e}); check the credentials (storage_options or the "
-                                  f"AWS_/GOOGLE_/AZURE_ environment)") from e
             except Exception as e:
-                if not transient(e) or attempt == self.attempts:
-                    kind = f"still failing after {attempt} attempts" if transient(e) else "failed"
-                    raise RemoteError(f"reading {where} {kind}: {type(e).__name__}: {str(e)[:200]}") from e
+                self._give_up(e, url, span, attempt)
                 self.counters.add(retries=1)
-                # full jitter: many workers retrying a throttled store must not retry in step
-                time.sleep(random.uniform(0, min(10.0, self.base_delay * 2 ** (attempt - 1))))
+                self._backoff(attempt)
         raise AssertionError("unreachable")
+
+    def _give_up(self, e: BaseException, url: str, span: tuple[int, int] | None, attempt: int) -> None:
+        """Raise the error a user reads for `e`, unless it is transient and attempts are left."""
+        where = f"{url}" + (f" bytes {span[0]}-{span[1] - 1}" if span and span[0] is not None else "")
+        if isinstance(e, NotImplementedError):
+            raise RemoteError(f"{url}: this store does not take writes through fsspec ({self.protocol}://)") from e
+        if isinstance(e, FileNotFoundError):
+            raise RemoteError(f"{url} not found: check the URL, or that the upload finished") from e
+        if isinstance(e, PermissionError):
+            raise RemoteError(f"{url}: access refused ({e}); check the credentials (storage_options or the "
+                              f"AWS_/GOOGLE_/AZURE_ environment)") from e
+        if not transient(e) or attempt == self.attempts:
+            kind = f"still failing after {attempt} attempts" if transient(e) else "failed"
+            raise RemoteError(f"reading {where} {kind}: {type(e).__name__}: {str(e)[:200]}") from e
+
+    def _backoff(self, attempt: int) -> None:
+        # full jitter: many workers retrying a throttled store must not retry in step
+        time.sleep(random.uniform(0, min(10.0, self.base_delay * 2 ** (attempt - 1))))
 
 
 def open_fs(url: str, options: dict, timeout: float):
