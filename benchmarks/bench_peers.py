@@ -41,7 +41,8 @@ def parse_args(argv=None):
     ap.add_argument("--photos", type=int, default=400)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=9, help="loading and machinery rounds")
-    ap.add_argument("--convert-rounds", type=int, default=3)
+    ap.add_argument("--convert-rounds", type=int, default=5)
+    ap.add_argument("--only-conversion", action="store_true", help="skip the machinery and loading parts")
     ap.add_argument("--epochs", type=int, default=4, help="timed epochs per loader, after the first")
     ap.add_argument("--json", default="bench-results/peers.json")
     return ap.parse_args(argv)
@@ -122,17 +123,23 @@ def conversion(raw: Path, items, base: Path, args) -> dict:
         tools[name](out)
         return {"img_per_s": len(items) / (time.perf_counter() - t)}
 
+    def bound():  # one process, the same per-image work, no writing: measured in every round, as drift is large
+        t = time.perf_counter()
+        for it in items[:60]:
+            convert_one(it)
+        return {"img_per_s": 60 / (time.perf_counter() - t)}
+
     print("conversion (in-call, same per-image work):", flush=True)
-    runs = interleaved({k: (lambda k=k: timed(k)) for k in tools}, args.convert_rounds)
-    sample = items[:60]
-    t = time.perf_counter()
-    for it in sample:
-        convert_one(it)
-    bound = len(sample) / (time.perf_counter() - t)
+    runs = interleaved({**{k: (lambda k=k: timed(k)) for k in tools}, BOUND: bound}, args.convert_rounds)
+    bounds = runs.pop(BOUND)
     res = {k: summary([r["img_per_s"] for r in v]) for k, v in runs.items()}
-    return {"rates": res, "bound_per_process": bound,
-            "fastpipe_vs_bound": res["fastpipe"]["median"] / (args.workers * bound),
-            **{f"fastpipe_vs_{k}": res["fastpipe"]["median"] / res[k]["median"] for k in ("litdata", "mosaic")}}
+    # Ratios of the same round's runs, then their median (drift cancels within a round).
+    fp = runs["fastpipe"]
+    return {"rates": res, "bound_per_process": summary([b["img_per_s"] for b in bounds]),
+            "fastpipe_vs_bound": summary([a["img_per_s"] / (args.workers * b["img_per_s"])
+                                          for a, b in zip(fp, bounds)]),
+            **{f"fastpipe_vs_{k}": summary([a["img_per_s"] / b["img_per_s"] for a, b in zip(fp, runs[k])])
+               for k in ("litdata", "mosaic")}}
 
 
 def overheads(items) -> dict:
@@ -363,6 +370,9 @@ def main(args) -> dict:
         rejected = {json.loads(line)["path"] for line in (base / "fp" / "rejected.jsonl").read_text().splitlines()}
         items = items_of(raw, {str(raw / p) for p in rejected} | rejected)
         conv = conversion(raw, items, base, args)
+        if args.only_conversion:
+            return {"photos": len(items), "workers": args.workers, "conversion": {**conv, **overheads(items)},
+                    "versions": _versions()}
         paths = {"fastpipe": base / "fp", "litdata": base / "conv-litdata", "mosaic": base / "conv-mosaic"}
         print("per-sample machinery:", flush=True)
         mach = interleaved({
@@ -410,15 +420,23 @@ def _versions() -> dict:
     return out
 
 
+def _r(v: dict, fmt: str = ".2f") -> str:
+    return f"{v['median']:{fmt}} ({v['low']:{fmt}}-{v['high']:{fmt}})"
+
+
 def table(res: dict) -> str:
-    c, m, ld = res["conversion"], res["machinery_us"], res["loading"]
-    lines = [f"{res['photos']} photos, {res['workers']} workers, {res['rounds']} rounds (median, range)", "",
+    c = res["conversion"]
+    lines = [f"{res['photos']} photos, {res['workers']} workers (median, range)", "",
              "conversion, images/s in the call:"]
-    lines += [f"  {k:<12} {v['median']:8.1f}  ({v['low']:.1f}-{v['high']:.1f})" for k, v in c["rates"].items()]
-    lines += [f"  fastpipe ÷ litdata {c['fastpipe_vs_litdata']:.2f}, ÷ mosaic {c['fastpipe_vs_mosaic']:.2f}, "
-              f"÷ (workers × one-process bound {c['bound_per_process']:.1f}) {c['fastpipe_vs_bound']:.2f}; "
-              f"mean/std {c['mean_std_share']:.1%} and hashing {c['hash_share']:.1%} of an image's time", "",
-              "per-sample machinery (µs: bytes fetched, shuffled, handed to decode; one process):"]
+    lines += [f"  {k:<12} {_r(v, '.1f')}" for k, v in c["rates"].items()]
+    lines += [f"  fastpipe ÷ litdata {_r(c['fastpipe_vs_litdata'])}, ÷ mosaic {_r(c['fastpipe_vs_mosaic'])}, "
+              f"÷ (workers × one-process bound {_r(c['bound_per_process'], '.1f')}) {_r(c['fastpipe_vs_bound'])} "
+              f"(paired rounds); mean/std {c['mean_std_share']:.1%} and hashing {c['hash_share']:.1%} of an "
+              f"image's time"]
+    if "loading" not in res:
+        return "\n".join(lines)
+    m, ld = res["machinery_us"], res["loading"]
+    lines += ["", "per-sample machinery (µs: bytes fetched, shuffled, handed to decode; one process):"]
     lines += [f"  {k:<12} {v['median']:8.2f}  ({v['low']:.2f}-{v['high']:.2f})" for k, v in m.items()]
     lines += ["", "loading, images/s after the first epoch; first epoch (s); fastpipe ÷ it (paired rounds):"]
     for k, v in ld["img_per_s"].items():

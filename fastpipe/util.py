@@ -79,8 +79,12 @@ def read_regular(path: Path, limit: int) -> bytes:
             raise NotRegularFile(f"{path}: not a regular file ({_kind(st.st_mode)})")
         if st.st_size > limit:
             raise FileTooLarge(f"{path}: {st.st_size} bytes, more than the limit of {limit}")
-        data = f.read(limit + 1)
-    if len(data) > limit:  # grew while reading
+        # Ask for the size it has, plus one byte to see growth: read(limit + 1) allocated a buffer of the limit
+        # (1 GB) for every file: 0.4 ms a photo here (timed by hand on 399 demo photos), more than hashing it.
+        data = f.read(st.st_size + 1)
+        if len(data) > st.st_size:  # grew while reading
+            data += f.read(limit + 1 - len(data))
+    if len(data) > limit:
         raise FileTooLarge(f"{path}: more than the limit of {limit} bytes")
     return data
 

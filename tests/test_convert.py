@@ -176,6 +176,9 @@ def test_two_runs_give_identical_bytes_whatever_the_workers(folder, tmp_path):
     shard(cfg(folder, tmp_path / "b", max_shard_size=64 * 1024, workers=2))
     a, b = tree_bytes(tmp_path / "a"), tree_bytes(tmp_path / "b")
     assert len(a) > 2 and a == b
+    # previews too: drawn in the main process with one worker, by the pool with two
+    sheets = [{p.name: p.read_bytes() for p in (tmp_path / x / "previews").iterdir()} for x in "ab"]
+    assert len(sheets[0]) == 3 and sheets[0] == sheets[1]
     with tarfile.open(tmp_path / "a" / "train-000000.tar") as tf:
         assert all(m.mtime == 0 and m.uid == 0 for m in tf.getmembers())
 

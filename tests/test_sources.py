@@ -56,6 +56,20 @@ def test_oversized_files_are_bounded(tmp_path):
     assert reasons(tmp_path / "out") == {"red/big.jpg": "too-large"}
 
 
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="needs Linux /proc")
+def test_a_file_longer_than_its_stat_size_is_read_whole_and_still_bounded():
+    """read_regular asks for the size fstat gives, plus a byte: a file that grew since (here a /proc file, whose
+    size reads 0) is read to its end, and the limit still holds."""
+    from fastpipe.util import FileTooLarge, read_regular
+
+    proc = Path("/proc/self/cmdline")
+    assert proc.stat().st_size == 0
+    data = read_regular(proc, 1 << 20)
+    assert len(data) > 10 and data == proc.read_bytes()
+    with pytest.raises(FileTooLarge):
+        read_regular(proc, 5)
+
+
 def test_nothing_found_is_dropped_silently(tmp_path):
     src = make_folder(tmp_path / "src", {"red": 3, "green": 3})
     make_folder(src / "__init__", {"blue": 2})  # a class folder that happens to start with '__'

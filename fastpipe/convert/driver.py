@@ -250,7 +250,7 @@ def _convert_split(name, samples, root: Path, run: _SplitRun, classes, pool) -> 
     return len(todo)
 
 
-def _finalize(cfg, source, progress, early: list[Rejection], fingerprint) -> Manifest:
+def _finalize(cfg, source, progress, early: list[Rejection], fingerprint, pool) -> Manifest:
     """rejected.jsonl, previews, then dataset.json last: a conversion is complete only when every output is, so
     a run stopped in between (a full disk while drawing previews) is finished by the rerun, not declared done."""
     rejected = [r.to_dict() for r in early] + [r for p in progress.values() for r in p.rejected]
@@ -267,7 +267,7 @@ def _finalize(cfg, source, progress, early: list[Rejection], fingerprint) -> Man
         task="multilabel" if source.multilabel else "single",
     )
     if cfg.parts == 1:  # a cluster job's previews are drawn at merge time, from all parts
-        names = previews.contact_sheets(manifest, cfg.out / "previews", seed=cfg.seed)
+        names = previews.contact_sheets(manifest, cfg.out / "previews", seed=cfg.seed, pool=pool)
         manifest.outputs["previews"] = {c: f"previews/{f}" for c, f in names.items()}
     write_json_atomic(cfg.out / f"dataset{cfg.suffix}.json", manifest.to_dict())
     return manifest
@@ -341,7 +341,7 @@ def _run(cfg: ShardConfig, source, summary: Summary, start: float) -> None:
         clock.lap("convert")
         # Refusals found before any decoding are recorded once, by part 0, for a cluster job.
         early_all = list(source.rejections) + early + duplicates if cfg.part == 0 else []
-        _finalize(cfg, source, progress, early_all, fingerprint)
+        _finalize(cfg, source, progress, early_all, fingerprint, pool)
         journal.remove()
         clock.lap("finish")
     finally:

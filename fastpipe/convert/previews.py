@@ -55,18 +55,17 @@ def _tile(data: bytes) -> Image.Image:
     im = Image.open(io.BytesIO(data))
     im.draft("RGB", (CELL, CELL))
     im = im.convert("RGB")
-    im.thumbnail((CELL, CELL))
+    im.thumbnail((CELL, CELL), Image.Resampling.BILINEAR)  # antialiased when shrinking; 1.7 ms a tile, bicubic 2.7
     return im
 
 
-def _sheet(manifest: Manifest, name: str, where: list, rng, per_class: int) -> Image.Image:
-    side = int(np.ceil(np.sqrt(per_class)))
-    picks = rng.choice(len(where), size=min(per_class, len(where)), replace=False) if where else []
+def _sheet(job: tuple[str, int, list[tuple[str, tuple[int, int]]], int]) -> bytes:
+    """One class's contact sheet as JPEG bytes. `job`: the class name, its sample count, the picked samples'
+    locations, the side of the grid."""
+    name, count, picked, side = job
     sheet = Image.new("RGB", (side * CELL, side * CELL + TITLE), (30, 30, 30))
-    ImageDraw.Draw(sheet).text((8, 8), f"{name[:60]}  ({len(where)} samples, {len(picks)} shown)",
-                               fill=(240, 240, 240))
-    for i, j in enumerate(picks):
-        tar, loc = where[j]
+    ImageDraw.Draw(sheet).text((8, 8), f"{name[:60]}  ({count} samples, {len(picked)} shown)", fill=(240, 240, 240))
+    for i, (tar, loc) in enumerate(picked):
         try:
             with open(tar, "rb") as fh:
                 tile = _tile(read_member(fh, loc))
@@ -74,17 +73,24 @@ def _sheet(manifest: Manifest, name: str, where: list, rng, per_class: int) -> I
             continue  # an undecodable sample: the loaders skip it, inspect --verify names it
         x, y = (i % side) * CELL, (i // side) * CELL + TITLE
         sheet.paste(tile, (x + (CELL - tile.width) // 2, y + (CELL - tile.height) // 2))
-    return sheet
+    buf = io.BytesIO()
+    sheet.save(buf, "JPEG", quality=85)
+    return buf.getvalue()
 
 
-def contact_sheets(manifest: Manifest, folder: Path, seed: int = 0, per_class: int = 9) -> dict[str, str]:
-    """Write folder/<file>.jpg for each class; returns {class: file name} (also recorded in dataset.json)."""
+def contact_sheets(manifest: Manifest, folder: Path, seed: int = 0, per_class: int = 9, pool=None) -> dict[str, str]:
+    """Write folder/<file>.jpg for each class; returns {class: file name} (also recorded in dataset.json). With
+    `pool` (the converter's processes, idle by now), the sheets are drawn in parallel."""
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     found = _locate_by_class(manifest)
     names = preview_names(manifest.classes)
+    side = int(np.ceil(np.sqrt(per_class)))
+    jobs = []
     for label, name in enumerate(manifest.classes):
-        buf = io.BytesIO()
-        _sheet(manifest, name, found.get(label, []), rng, per_class).save(buf, "JPEG", quality=85)
-        atomic_write_bytes(folder / names[name], buf.getvalue())
+        where = found.get(label, [])
+        picks = rng.choice(len(where), size=min(per_class, len(where)), replace=False) if where else []
+        jobs.append((name, len(where), [(str(where[j][0]), where[j][1]) for j in picks], side))
+    for (name, *_), data in zip(jobs, pool.imap(_sheet, jobs) if pool else map(_sheet, jobs)):
+        atomic_write_bytes(folder / names[name], data)
     return names
