@@ -115,7 +115,7 @@ def _cmd_shard(a) -> int:
 def _cmd_merge(a) -> int:
     from fastpipe.convert.merge import merge_parts
 
-    manifest = merge_parts(local_path(a.out, "OUT"))
+    manifest = merge_parts(a.out)  # a folder, or a URL
     print(f"merged {manifest.settings['parts']} parts: "
           + ", ".join(f"{n} {s.samples}" for n, s in manifest.splits.items()) + f" -> {a.out}/dataset.json")
     return 0
@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "RGB JPEGs with dataset.json, .idx files, previews and rejected.jsonl. Rerunning "
                             "resumes; other settings need --overwrite.")
     p = sub.add_parser("merge", help="merge the manifests of a --parts conversion")
-    p.add_argument("out")
+    p.add_argument("out", help="the folder or store URL (s3://bucket/prefix) the parts were written to")
     p.set_defaults(func=_cmd_merge, interrupt_hint=again)
     _configured(sub, "index", IndexConfig, _cmd_index, again,
                 help="dataset.json and .idx files for shards written by other tools (--idx-only: the .idx only)")

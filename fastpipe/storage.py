@@ -211,6 +211,12 @@ class Remote:
                               f"object is shorter than dataset.json says, or the server ignores Range requests")
         return data
 
+    def glob(self, pattern: str) -> list[str]:
+        """Names of the objects in this folder that match `pattern` (a store that can list: not plain HTTP)."""
+        fs, root, _ = self._client()
+        found = self._retry(lambda: fs.glob(f"{root}/{pattern}"), self.join(pattern))
+        return sorted(p.rsplit("/", 1)[-1] for p in found)
+
     def exists(self, rel: str) -> bool:
         fs, root, _ = self._client()
         return bool(self._retry(lambda: fs.exists(f"{root}/{rel}"), self.join(rel)))

@@ -231,6 +231,34 @@ def test_parts_then_merge_equal_one_run(tmp_path):
     assert merged.mean == pytest.approx(one.mean) and merged.std == pytest.approx(one.std)
     keys = lambda m, sp: sorted(x["__key__"] for x in wds.WebDataset(m.shard_paths(sp), shardshuffle=False))  # noqa: E731
     assert keys(load(out), "train") == keys(one, "train")
+    # previews: one sheet per class, drawn from the parts' recorded samples, recorded in the merged manifest
+    assert sorted(p.name for p in (out / "previews").iterdir()) == ["blue.jpg", "green.jpg", "red.jpg"]
+    assert set(load(out).outputs["previews"]) == {"red", "green", "blue"}
+    assert "preview_candidates" not in load(out).outputs
+
+
+def test_merged_previews_are_a_uniform_sample_of_each_class():
+    """Each part records a uniform sample of up to 9 of a class's images; merge takes from each part a number
+    drawn multivariate-hypergeometrically: every image of the class is then equally likely to be shown, however
+    the parts divide it (here 3 + 20 + 1 images, 9 shown)."""
+    from fastpipe.convert.previews import from_candidates
+
+    sizes, shown = [3, 20, 1], 9
+    seen = np.zeros(sum(sizes))
+    rounds = 3000
+    rng = np.random.default_rng(0)
+    for seed in range(rounds):
+        parts, first = [], 0
+        for n in sizes:  # as previews.candidates records them: a uniform sample of the part's own images
+            picks = rng.choice(n, size=min(shown, n), replace=False)
+            parts.append({"0": {"count": n, "samples": [[f"s{first + j}", 0, 1] for j in picks]}})
+            first += n
+        (count, where), = from_candidates(parts, ["only"], seed)
+        names = [rel for rel, _ in where]
+        assert count == sum(sizes) and len(names) == shown == len(set(names))
+        seen[[int(x[1:]) for x in names]] += 1
+    # each image shown in 9/24 of the rounds: 1125 of 3000, binomial sd 26.5; 5 sd of margin
+    assert np.all(np.abs(seen - rounds * shown / sum(sizes)) < 135), seen
 
 
 def test_merge_refuses_missing_parts(tmp_path, folder):

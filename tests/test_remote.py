@@ -352,6 +352,44 @@ def test_an_interrupted_upload_resumes_with_the_same_bytes(folder, tmp_path, s3_
     assert [resumed.cat(n) for n in names] == [fresh.cat(n) for n in names]
 
 
+def test_parts_into_a_bucket_then_merge_there(folder, tmp_path, s3_bucket, monkeypatch, capsys):
+    """A cluster conversion into one bucket prefix: `shard SRC s3://... --parts 2 --part i` per machine, then
+    `fastpipe merge s3://...`. Merging before every part is done names the missing one; the merged set reads back
+    exactly as the same parts merged in a local folder, with a preview per class; nothing stays on local disk but
+    the cache."""
+    from fastpipe.cli import main
+    from fastpipe.convert.driver import ShardConfig, shard
+    from fastpipe.convert.merge import merge_parts
+    from fastpipe.storage import Remote
+
+    endpoint, _ = s3_bucket
+    for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1", "FASTPIPE_CACHE": str(tmp_path / "cache" / "shards")}.items():
+        monkeypatch.setenv(k, v)
+    url, settings = "s3://leafs/cluster/v1", dict(short_side=48, val_fraction=0.25, max_shard_size=64 * 1024)
+    args = ["--short-side", "48", "--val-fraction", "0.25", "--max-shard-size", "64KB", "--workers", "1"]
+    for i in range(2):
+        shard(ShardConfig(folder, tmp_path / "local", parts=2, part=i, workers=1, **settings))
+    merge_parts(tmp_path / "local")
+    assert main(["shard", str(folder), url, "--parts", "2", "--part", "1", *args]) == 0
+    assert f"fastpipe merge {url}" in capsys.readouterr().out
+    assert main(["merge", url]) == 2
+    assert "parts [0] of 2 are missing" in capsys.readouterr().err
+    assert main(["shard", str(folder), url, "--parts", "2", "--part", "0", *args]) == 0
+    assert main(["merge", url]) == 0
+    remote, local = Remote(url), load(tmp_path / "local")
+    merged = load(url)
+    assert merged.splits == local.splits and merged.mean == pytest.approx(local.mean)
+    assert sorted(merged.outputs["previews"]) == sorted(local.classes)
+    assert all(remote.cat(f)[:2] == b"\xff\xd8" for f in merged.outputs["previews"].values())  # JPEGs
+    assert remote.cat("rejected.jsonl") == (tmp_path / "local" / "rejected.jsonl").read_bytes()
+    for split in ("train", "val"):
+        keys, labels, _ = epoch(make_loader(url, split=split, num_workers=0, **KW))
+        assert (keys, labels) == epoch(make_loader(tmp_path / "local", split=split, num_workers=0, **KW))[:2]
+    staging = tmp_path / "cache" / "staging"
+    assert not staging.exists() or not any(staging.iterdir())
+
+
 def test_index_adopts_foreign_shards_in_a_bucket(tmp_path, s3_bucket, monkeypatch, capsys):
     """`fastpipe index s3://.../a.tar ... --val ...`: shards another tool wrote into a bucket get their .idx files
     and dataset.json beside them (the tars untouched, nothing left on local disk but the cache), and read back

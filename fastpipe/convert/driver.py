@@ -253,8 +253,8 @@ def _convert_split(name, samples, root: Path, run: _SplitRun, classes, pool) -> 
 def _finalize(cfg, source, progress, early: list[Rejection], fingerprint, pool) -> Manifest:
     """rejected.jsonl, previews, then dataset.json last: a conversion is complete only when every output is, so
     a run stopped in between (a full disk while drawing previews) is finished by the rerun, not declared done."""
-    rejected = [r.to_dict() for r in early] + [r for p in progress.values() for r in p.rejected]
-    rejected.sort(key=lambda r: (r["path"], r["reason"]))
+    rejected = sorted([r.to_dict() for r in early] + [r for p in progress.values() for r in p.rejected],
+                      key=lambda r: (r["path"], r["reason"]))
     write_jsonl_atomic(cfg.out / f"rejected{cfg.suffix}.jsonl", rejected)
     manifest = Manifest(
         classes=tuple(source.classes),
@@ -266,9 +266,11 @@ def _finalize(cfg, source, progress, early: list[Rejection], fingerprint, pool) 
         outputs={"rejected": f"rejected{cfg.suffix}.jsonl"},
         task="multilabel" if source.multilabel else "single",
     )
-    if cfg.parts == 1:  # a cluster job's previews are drawn at merge time, from all parts
+    if cfg.parts == 1:
         names = previews.contact_sheets(manifest, cfg.out / "previews", seed=cfg.seed, pool=pool)
         manifest.outputs["previews"] = {c: f"previews/{f}" for c, f in names.items()}
+    else:  # a cluster job's previews are drawn at merge time, from every part's uniform sample of each class
+        manifest.outputs["preview_candidates"] = previews.candidates(manifest, cfg.seed, cfg.part)
     write_json_atomic(cfg.out / f"dataset{cfg.suffix}.json", manifest.to_dict())
     return manifest
 
@@ -293,8 +295,7 @@ class _Clock:
 
     def lap(self, name: str) -> None:
         now = time.perf_counter()
-        self.laps[name] = now - self.last
-        self.last = now
+        self.laps[name], self.last = now - self.last, now
 
 
 def shard(cfg: ShardConfig) -> Summary:

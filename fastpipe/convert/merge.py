@@ -12,37 +12,47 @@ from pathlib import Path
 
 from fastpipe.convert import previews
 from fastpipe.manifest import Manifest, ManifestError, SplitInfo, Stats, from_dict, save
+from fastpipe.storage import is_url
 from fastpipe.util import FolderLock, local_path, write_jsonl_atomic
 
 PART_RE = re.compile(r"dataset\.part-(\d{3})-of-(\d{3})\.json$")
 
 
-def _parts(out: Path) -> list[Manifest]:
+def _parts(out: Path, where: str | None = None) -> list[Manifest]:
+    where = where or str(out)
     found = sorted((int(m.group(1)), int(m.group(2)), p)
                    for p in out.glob("dataset.part-*-of-*.json") if (m := PART_RE.search(p.name)))
     if not found:
-        raise ManifestError(f"{out}: no dataset.part-*-of-*.json to merge (run `fastpipe shard --part i --parts N`)")
+        raise ManifestError(f"{where}: no dataset.part-*-of-*.json to merge (run `fastpipe shard --part i --parts N`)")
     n = found[0][1]
     missing = sorted(set(range(n)) - {i for i, _, _ in found})
     if missing or any(k != n for _, k, _ in found):
-        raise ManifestError(f"{out}: parts {missing} of {n} are missing or unfinished; run them, then merge again")
+        raise ManifestError(f"{where}: parts {missing} of {n} are missing or unfinished; run them, then merge again")
     manifests = [from_dict(json.loads(p.read_text()), out) for _, _, p in found]
     base = {k: v for k, v in manifests[0].settings.items() if k not in ("part", "fingerprint")}
     for m in manifests[1:]:
         other = {k: v for k, v in m.settings.items() if k not in ("part", "fingerprint")}
         if other != base or m.classes != manifests[0].classes:
-            raise ManifestError(f"{out}: parts were converted with different settings or class lists")
+            raise ManifestError(f"{where}: parts were converted with different settings or class lists")
     return manifests
 
 
-def merge_parts(out: Path) -> Manifest:
+def merge_parts(out) -> Manifest:
+    """Merge the parts in folder `out`, or in a store's folder (a URL: publish.merge_to_url)."""
+    if is_url(str(out)):
+        from fastpipe.convert.publish import merge_to_url
+
+        return merge_to_url(str(out))
     out = local_path(out, "OUT")
     with FolderLock(out, "fastpipe merge"):
-        return _merge(out)
+        return merge_in(out, previews.read_local(out))
 
 
-def _merge(out: Path) -> Manifest:
-    parts = _parts(out)
+def merge_in(out: Path, read, where: str | None = None) -> Manifest:
+    """Merge the part manifests and rejection records in folder `out`, writing rejected.jsonl, previews and
+    dataset.json (last) there; the previews' images are got with `read` (previews.draw). `where` names the
+    parts' location in messages (a store's URL when `out` is a staging folder)."""
+    parts = _parts(out, where)
     splits = {}
     for name in parts[0].splits:
         shards = tuple(s for m in parts for s in m.splits[name].shards)
@@ -56,7 +66,27 @@ def _merge(out: Path) -> Manifest:
     rejected = [json.loads(line) for p in sorted(out.glob("rejected.part-*-of-*.jsonl"))
                 for line in p.read_text().splitlines()]
     write_jsonl_atomic(out / "rejected.jsonl", sorted(rejected, key=lambda r: (r["path"], r["reason"])))
-    names = previews.contact_sheets(manifest, out / "previews", seed=settings.get("seed", 0))
+    seed = settings.get("seed", 0)
+    if all("preview_candidates" in m.outputs for m in parts):
+        picked = previews.from_candidates([_candidates(m) for m in parts], manifest.classes, seed)
+        names = previews.draw(picked, manifest.classes, out / "previews", read)
+    else:  # parts written before parts recorded candidates: every label read again (local folders only)
+        names = previews.contact_sheets(manifest, out / "previews", seed=seed)
     manifest.outputs["previews"] = {c: f"previews/{f}" for c, f in names.items()}
     save(manifest, out)  # last: the merge is complete only when every output is
     return manifest
+
+
+def _candidates(part: Manifest) -> dict:
+    """A part's preview candidates, each checked to lie in one of that part's own shards (a part manifest in a
+    store is input like any other)."""
+    cands = part.outputs["preview_candidates"]
+    own = {s.path for split in part.splits.values() for s in split.shards}
+    ok = isinstance(cands, dict) and all(
+        isinstance(c, dict) and isinstance(c.get("count"), int) and isinstance(c.get("samples"), list)
+        and all(isinstance(x, list) and len(x) == 3 and x[0] in own and all(isinstance(v, int) for v in x[1:])
+                for x in c["samples"]) for c in cands.values())
+    if not ok:
+        raise ManifestError(f"part {part.settings.get('part')}: outputs.preview_candidates is damaged (each "
+                            f"sample must be [shard, offset, size] in one of the part's shards); re-run that part")
+    return cands

@@ -33,8 +33,8 @@ def preview_names(classes) -> dict[str, str]:
     return names
 
 
-def _locate_by_class(manifest: Manifest) -> dict[int, list[tuple[Path, tuple[int, int]]]]:
-    """Where each class's images are: (shard, (offset, size)) read through the .idx files."""
+def _locate_by_class(manifest: Manifest) -> dict[int, list[tuple[str, tuple[int, int]]]]:
+    """Where each class's images are: (shard path in the set, (offset, size)) read through the .idx files."""
     comp = manifest.components
     label_ext = comp.label_bin or comp.label
     found = defaultdict(list)
@@ -47,7 +47,7 @@ def _locate_by_class(manifest: Manifest) -> dict[int, list[tuple[Path, tuple[int
                         with contextlib.suppress(ValueError):  # inspect --verify reports a bad label
                             label = decode_label(read_member(fh, sample[label_ext]), label_ext, manifest.multilabel)
                             for k in label if manifest.multilabel else (label,):  # a label set: every class
-                                found[k].append((tar, sample[comp.image]))
+                                found[k].append((shard.path, sample[comp.image]))
     return found
 
 
@@ -59,16 +59,15 @@ def _tile(data: bytes) -> Image.Image:
     return im
 
 
-def _sheet(job: tuple[str, int, list[tuple[str, tuple[int, int]]], int]) -> bytes:
-    """One class's contact sheet as JPEG bytes. `job`: the class name, its sample count, the picked samples'
-    locations, the side of the grid."""
-    name, count, picked, side = job
+def _sheet(job: tuple[str, int, list[bytes], int]) -> bytes:
+    """One class's contact sheet as JPEG bytes. `job`: the class name, its sample count, the picked images' bytes,
+    the side of the grid."""
+    name, count, images, side = job
     sheet = Image.new("RGB", (side * CELL, side * CELL + TITLE), (30, 30, 30))
-    ImageDraw.Draw(sheet).text((8, 8), f"{name[:60]}  ({count} samples, {len(picked)} shown)", fill=(240, 240, 240))
-    for i, (tar, loc) in enumerate(picked):
+    ImageDraw.Draw(sheet).text((8, 8), f"{name[:60]}  ({count} samples, {len(images)} shown)", fill=(240, 240, 240))
+    for i, data in enumerate(images):
         try:
-            with open(tar, "rb") as fh:
-                tile = _tile(read_member(fh, loc))
+            tile = _tile(data)
         except (OSError, ValueError, SyntaxError):
             continue  # an undecodable sample: the loaders skip it, inspect --verify names it
         x, y = (i % side) * CELL, (i // side) * CELL + TITLE
@@ -78,19 +77,67 @@ def _sheet(job: tuple[str, int, list[tuple[str, tuple[int, int]]], int]) -> byte
     return buf.getvalue()
 
 
-def contact_sheets(manifest: Manifest, folder: Path, seed: int = 0, per_class: int = 9, pool=None) -> dict[str, str]:
-    """Write folder/<file>.jpg for each class; returns {class: file name} (also recorded in dataset.json). With
-    `pool` (the converter's processes, idle by now), the sheets are drawn in parallel."""
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    found = _locate_by_class(manifest)
-    names = preview_names(manifest.classes)
-    side = int(np.ceil(np.sqrt(per_class)))
-    jobs = []
-    for label, name in enumerate(manifest.classes):
+def read_local(root: Path):
+    """`read` for contact sheets of shards in a folder: [(shard path, (offset, size))] -> their bytes."""
+    def read(locations):
+        out = []
+        for rel, loc in locations:
+            try:
+                with open(root / rel, "rb") as fh:
+                    out.append(read_member(fh, loc))
+            except (OSError, ValueError):
+                out.append(b"")  # drawn as an empty tile
+        return out
+    return read
+
+
+def _pick(found: dict, classes, rng, per_class: int) -> list[tuple[int, list]]:
+    """(count, picked locations) per class, uniformly without replacement."""
+    out = []
+    for label in range(len(classes)):
         where = found.get(label, [])
         picks = rng.choice(len(where), size=min(per_class, len(where)), replace=False) if where else []
-        jobs.append((name, len(where), [(str(where[j][0]), where[j][1]) for j in picks], side))
+        out.append((len(where), [where[j] for j in picks]))
+    return out
+
+
+def candidates(manifest: Manifest, seed: int, part: int, per_class: int = 9) -> dict[str, dict]:
+    """A part of a cluster conversion: per class its sample count and a uniform random sample of its images'
+    locations, recorded in the part's manifest, so that `merge` draws the data set's previews without reading
+    every shard's labels again (or, for a store, without fetching them)."""
+    picked = _pick(_locate_by_class(manifest), manifest.classes, np.random.default_rng([seed, part]), per_class)
+    return {str(k): {"count": n, "samples": [[rel, *loc] for rel, loc in where]} for k, (n, where) in enumerate(picked)}
+
+
+def from_candidates(parts: list[dict], classes, seed: int, per_class: int = 9) -> list[tuple[int, list]]:
+    """(count, picked locations) per class from the parts' candidates: a uniform sample of the whole class, as
+    the number taken from each part is drawn multivariate-hypergeometrically from the parts' counts and each
+    part's candidates are a uniform random sample of its own."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(len(classes)):
+        counts = [p.get(str(k), {}).get("count", 0) for p in parts]
+        take = rng.multivariate_hypergeometric(counts, min(per_class, sum(counts))) if sum(counts) else [0] * len(parts)
+        out.append((sum(counts), [(s[0], (s[1], s[2])) for p, t in zip(parts, take)
+                                  for s in p.get(str(k), {}).get("samples", [])[:t]]))
+    return out
+
+
+def draw(picked: list[tuple[int, list]], classes, folder: Path, read, pool=None, per_class: int = 9) -> dict[str, str]:
+    """Write folder/<file>.jpg for each class from (count, locations) per class, the images' bytes got by `read`
+    (one call: a store fetches them together); returns {class: file name}. With `pool` (the converter's
+    processes, idle by now), the sheets are drawn in parallel."""
+    folder.mkdir(parents=True, exist_ok=True)
+    names = preview_names(classes)
+    side = int(np.ceil(np.sqrt(per_class)))
+    images = iter(read([loc for _, where in picked for loc in where]))
+    jobs = [(name, n, [next(images) for _ in where], side) for name, (n, where) in zip(classes, picked)]
     for (name, *_), data in zip(jobs, pool.imap(_sheet, jobs) if pool else map(_sheet, jobs)):
         atomic_write_bytes(folder / names[name], data)
     return names
+
+
+def contact_sheets(manifest: Manifest, folder: Path, seed: int = 0, per_class: int = 9, pool=None) -> dict[str, str]:
+    """Previews of a local data set: `per_class` random images of each class."""
+    picked = _pick(_locate_by_class(manifest), manifest.classes, np.random.default_rng(seed), per_class)
+    return draw(picked, manifest.classes, folder, read_local(manifest.root), pool, per_class)

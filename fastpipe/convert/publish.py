@@ -7,9 +7,13 @@ time, and `dataset.json` last, so a reader never finds a manifest whose shards a
 one PUT, complete or absent. The staging folder is deleted once the upload is complete; an interrupted run keeps
 it, and running the same command again resumes there and uploads again (the same bytes).
 
+A cluster conversion (`--parts N --part i` into one URL) uploads each part's shards, indexes, rejections and
+part manifest (last); `fastpipe merge URL` then downloads only the part manifests and rejection records, fetches
+the few images its previews show (each part's manifest holds a uniform sample of each class: previews.candidates),
+and uploads rejected.jsonl, the previews and dataset.json (last). No shard is read whole.
+
 Left out, deliberately: the journal is kept on this node, not in the bucket (a lost machine restarts the
-conversion, with the same result); `--parts` with a URL and `fastpipe merge URL` (run the parts into local
-folders, merge, then upload the merged folder with `fastpipe shard` or the store's own sync).
+conversion, with the same result).
 """
 
 from __future__ import annotations
@@ -32,17 +36,37 @@ def staging_folder(url: str) -> Path:
 def shard_to_url(cfg, shard, storage_options: dict | None = None):
     """Convert into the staging folder with `shard`, upload, then delete the staging folder."""
     url = str(cfg.out).rstrip("/")
-    if cfg.parts != 1:
-        raise ConfigError(f"--parts with OUT {url}: convert the parts into local folders, `fastpipe merge` them, then "
-                          f"upload the merged folder (`fastpipe shard` of a URL writes whole conversions)")
     remote = Remote(url, storage_options)
-    staging = staging_folder(url)
+    staging = staging_folder(url + cfg.suffix)  # the parts of a cluster job may share a node
     summary = shard(replace(cfg, out=staging))
     upload(staging, remote)
     shutil.rmtree(staging)
     summary.out = url
-    summary.notes.append(f"uploaded to {url} (dataset.json last); staging folder {staging} removed")
+    summary.notes.append(f"uploaded to {url} (dataset{cfg.suffix}.json last); staging folder {staging} removed")
     return summary
+
+
+def merge_to_url(url: str, storage_options: dict | None = None):
+    """`fastpipe merge URL`: the parts of a cluster conversion in a store, merged (see the module's note)."""
+    from fastpipe.convert.merge import merge_in
+
+    url = url.rstrip("/")
+    remote = Remote(url, storage_options)
+    records = remote.glob("dataset.part-*-of-*.json") + remote.glob("rejected.part-*-of-*.jsonl")
+    staging = staging_folder(url + "#merge")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+
+    def read(locations):
+        return remote.ranges([(rel, off, off + size) for rel, (off, size) in locations])
+
+    try:  # nothing to resume: a failed merge is run again from the store
+        remote.get_many([(n, staging / n) for n in records])
+        merge_in(staging, read, where=url)
+        upload(staging, remote, skip=set(records))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return load(url, storage_options)
 
 
 def index_to_url(cfg, index_shards, storage_options: dict | None = None):
@@ -75,13 +99,13 @@ def index_to_url(cfg, index_shards, storage_options: dict | None = None):
 
 
 def upload(folder: Path, remote: Remote, skip: set[str] = frozenset()) -> None:
-    """Every file fastpipe wrote in `folder` (not its lock or journal, nor those in `skip`), dataset.json last."""
+    """Every file fastpipe wrote in `folder` (not its lock or journal, nor those in `skip`), the manifest
+    (dataset.json, or a part's dataset.part-*.json) last."""
     files = [p for p in sorted(folder.rglob("*")) if p.is_file() and p.relative_to(folder).as_posix() not in skip
              and not any(part.startswith(".") for part in p.relative_to(folder).parts)]
-    manifest = folder / MANIFEST_NAME
-    rest = [p for p in files if p != manifest]
-    remote.put_many([(p, p.relative_to(folder).as_posix()) for p in rest])
-    remote.put_many([(manifest, MANIFEST_NAME)])
+    last = [p for p in files if p.parent == folder and p.name.startswith("dataset") and p.suffix == ".json"]
+    remote.put_many([(p, p.relative_to(folder).as_posix()) for p in files if p not in last])
+    remote.put_many([(p, p.name) for p in last])
 
 
-__all__ = ["index_to_url", "shard_to_url", "staging_folder", "upload"]
+__all__ = ["index_to_url", "merge_to_url", "shard_to_url", "staging_folder", "upload"]
