@@ -217,6 +217,15 @@ class Remote:
         found = self._retry(lambda: fs.glob(f"{root}/{pattern}"), self.join(pattern))
         return sorted(p.rsplit("/", 1)[-1] for p in found)
 
+    def delete(self, rel: str) -> None:
+        """Remove an object; one already gone is fine."""
+        fs, root, _ = self._client()
+        try:
+            self._retry(lambda: fs.rm_file(f"{root}/{rel}"), self.join(rel))
+        except RemoteError as e:
+            if not isinstance(e.__cause__, FileNotFoundError):
+                raise
+
     def exists(self, rel: str) -> bool:
         fs, root, _ = self._client()
         return bool(self._retry(lambda: fs.exists(f"{root}/{rel}"), self.join(rel)))

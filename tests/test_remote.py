@@ -7,6 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
 import time
 import warnings
 
@@ -255,8 +260,6 @@ def test_a_missing_store_client_names_the_package(url, package, tmp_path, capsys
 def test_inspect_verify_reads_a_store_through_the_cache(converted, tmp_path, capsys):
     """`fastpipe inspect URL --verify`: every shard fetched (faults included) and every sample decoded; a shard
     altered in the store and one missing are named; --repair (it rewrites indexes) is refused with the way."""
-    import shutil
-
     from fastpipe.cli import main
     from fastpipe.convert.inspect import inspect
     from fastpipe.errors import ConfigError
@@ -350,6 +353,53 @@ def test_an_interrupted_upload_resumes_with_the_same_bytes(folder, tmp_path, s3_
     fresh, resumed = Remote("s3://leafs/written/v2"), Remote("s3://leafs/resumed/v1")
     names = ["dataset.json"] + [s.path for split in ("train", "val") for s in load(fresh.url).split(split).shards]
     assert [resumed.cat(n) for n in names] == [fresh.cat(n) for n in names]
+
+
+def test_a_conversion_whose_machine_is_lost_resumes_on_another(tmp_path, s3_bucket, monkeypatch, capsys):
+    """`shard SRC s3://...` is killed mid-way and its machine's disk is gone (its staging folder deleted). The
+    same command on another machine (another cache folder) resumes from the journal the first mirrored into the
+    bucket: it converts fewer than all the photos, gives the bytes of an uninterrupted run, and removes the
+    journal from the bucket."""
+    from conftest import make_folder
+
+    from fastpipe.cli import main
+    from fastpipe.convert.journal import journal_shards
+    from fastpipe.storage import Remote
+
+    endpoint, _ = s3_bucket
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1", "FASTPIPE_MIRROR_SECONDS": "0.1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    src = make_folder(tmp_path / "src", {"red": 50, "green": 50, "blue": 50}, size=(800, 600))
+    args = ["--short-side", "96", "--max-shard-size", "64KB", "--workers", "1"]
+    url = "s3://leafs/lost/v1"
+    first = tmp_path / "machine-a" / "shards"
+    proc = subprocess.Popen([sys.executable, "-m", "fastpipe", "shard", str(src), url, *args],
+                            env={**os.environ, "FASTPIPE_CACHE": str(first)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    remote, deadline, mirrored = Remote(url), time.time() + 120, []
+    while len(mirrored) < 2 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+        if remote.exists(".fastpipe-progress.jsonl"):
+            mirrored = journal_shards(remote.cat(".fastpipe-progress.jsonl").decode())
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert len(mirrored) >= 2 and not remote.exists("dataset.json"), "killed too late, or nothing mirrored"
+
+    shutil.rmtree(tmp_path / "machine-a")  # the lost machine's disk
+    monkeypatch.setenv("FASTPIPE_CACHE", str(tmp_path / "machine-b" / "shards"))
+    assert main(["shard", str(src), url, *args]) == 0
+    out = capsys.readouterr().out
+    restored = re.search(r"resumed from the journal in the store \((\d+) shards already converted\)", out)
+    assert restored and int(restored.group(1)) >= len(mirrored), out
+    from fastpipe.convert.driver import ShardConfig, shard
+
+    shard(ShardConfig(src, tmp_path / "clean", short_side=96, max_shard_size=64 * 1024, workers=1))
+    clean = tmp_path / "clean"
+    names = ["dataset.json"] + [p.name for p in sorted(clean.glob("*.tar")) + sorted(clean.glob("*.idx"))]
+    assert [remote.cat(n) for n in names] == [(clean / n).read_bytes() for n in names]
+    assert not remote.exists(".fastpipe-progress.jsonl")
 
 
 def test_parts_into_a_bucket_then_merge_there(folder, tmp_path, s3_bucket, monkeypatch, capsys):

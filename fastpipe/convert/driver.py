@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from fastpipe import __version__
 from fastpipe.convert import images, outputs, plan, previews, publish
-from fastpipe.convert.journal import Journal, SplitProgress
+from fastpipe.convert.journal import Journal, SplitProgress, journal_name
 from fastpipe.convert.sources import Rejection, discover
 from fastpipe.convert.writer import ShardWriter
 from fastpipe.errors import ConfigError
@@ -329,7 +329,7 @@ def _run(cfg: ShardConfig, source, summary: Summary, start: float) -> None:
                    for salt, n in enumerate(SPLITS)}
         mine = {n: [s[i] for i in plan.part_range(len(s), cfg.part, cfg.parts)] for n, s in ordered.items()}
         fingerprint = plan.plan_fingerprint(cfg.settings(), mine, hashes)
-        journal = Journal(cfg.out / f".fastpipe-progress{cfg.suffix}.jsonl", fingerprint)
+        journal = Journal(cfg.out / journal_name(cfg.suffix), fingerprint)
         if _guard(cfg, fingerprint, journal):
             summary.up_to_date = True
             return

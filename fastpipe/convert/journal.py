@@ -38,6 +38,25 @@ class SplitProgress:
         self.done = entry.get("done", False)
 
 
+def journal_name(suffix: str = "") -> str:
+    """The journal's file name in OUT (`suffix`: a part's, e.g. `.part-001-of-004`)."""
+    return f".fastpipe-progress{suffix}.jsonl"
+
+
+def journal_shards(text: str) -> list[dict]:
+    """The shards a journal's complete lines list, in order (a line cut short by a kill ends the list)."""
+    lines = text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]
+    shards = []
+    for line in lines[1:]:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            break
+        if entry.get("shard"):
+            shards.append(entry["shard"])
+    return shards
+
+
 class Journal:
     def __init__(self, path: Path, fingerprint: str):
         self.path, self.fingerprint = Path(path), fingerprint

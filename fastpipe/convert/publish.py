@@ -12,18 +12,24 @@ part manifest (last); `fastpipe merge URL` then downloads only the part manifest
 the few images its previews show (each part's manifest holds a uniform sample of each class: previews.candidates),
 and uploads rejected.jsonl, the previews and dataset.json (last). No shard is read whole.
 
-Left out, deliberately: the journal is kept on this node, not in the bucket (a lost machine restarts the
-conversion, with the same result).
+While it converts, a thread copies each finished shard, then the journal that lists it, into the store
+(`_Mirror`): a machine lost mid-conversion is resumed by any other running the same command, which downloads the
+journal and the shards it lists (each checked against its sha256) and goes on from there, with the same bytes.
+The store's copy of the journal is deleted once dataset.json is uploaded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import shutil
+import threading
 from dataclasses import replace
 from pathlib import Path
 
 from fastpipe.cache import default_cache_dir
+from fastpipe.convert.journal import journal_name, journal_shards
 from fastpipe.errors import ConfigError
 from fastpipe.manifest import MANIFEST_NAME, load
 from fastpipe.storage import Remote, is_url
@@ -34,16 +40,76 @@ def staging_folder(url: str) -> Path:
 
 
 def shard_to_url(cfg, shard, storage_options: dict | None = None):
-    """Convert into the staging folder with `shard`, upload, then delete the staging folder."""
+    """Convert into the staging folder with `shard` (resuming from the store's journal when this node has none),
+    mirroring progress into the store; upload the rest, dataset.json last; delete the staging folder."""
     url = str(cfg.out).rstrip("/")
     remote = Remote(url, storage_options)
     staging = staging_folder(url + cfg.suffix)  # the parts of a cluster job may share a node
-    summary = shard(replace(cfg, out=staging))
-    upload(staging, remote)
+    name = journal_name(cfg.suffix)
+    restored = _restore(staging, remote, name)
+    with _Mirror(staging, remote, name) as mirror:
+        summary = shard(replace(cfg, out=staging))
+    upload(staging, remote, skip=mirror.sent)
+    remote.delete(name)
     shutil.rmtree(staging)
     summary.out = url
     summary.notes.append(f"uploaded to {url} (dataset{cfg.suffix}.json last); staging folder {staging} removed")
+    if restored:
+        summary.notes.insert(0, f"resumed from the journal in the store ({restored} shards already converted)")
     return summary
+
+
+MIRROR_SECONDS = float(os.environ.get("FASTPIPE_MIRROR_SECONDS", 2))
+
+
+class _Mirror:
+    """Every MIRROR_SECONDS while a conversion runs, and once at its end: the shards (.tar, .idx) its journal
+    lists that the store lacks, then the journal as read, so the store's journal never lists a shard the store
+    lacks. A failing store does not stop the conversion: the final upload retries and reports."""
+
+    def __init__(self, staging: Path, remote: Remote, name: str):
+        self.staging, self.remote, self.name = staging, remote, name
+        self.sent: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fastpipe-mirror", daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(MIRROR_SECONDS):
+            with contextlib.suppress(Exception):
+                self.sync()
+
+    def sync(self) -> None:
+        try:
+            text = (self.staging / self.name).read_text()
+        except OSError:
+            return  # not started, or finished (the journal is removed once dataset.json is written)
+        names = [n for sh in journal_shards(text) for n in (sh["path"], sh["index"]) if n not in self.sent]
+        self.remote.put_many([(self.staging / n, n) for n in names])
+        self.sent.update(names)
+        copy = self.staging / f"{self.name}.mirror"
+        copy.write_text(text)
+        self.remote.put_many([(copy, self.name)])
+
+
+def _restore(staging: Path, remote: Remote, name: str) -> int:
+    """A journal in the store and none here: download it and the shards it lists; the driver checks each shard
+    (sha256) as it resumes. Returns the number of shards restored."""
+    if (staging / name).exists() or not remote.exists(name):
+        return 0
+    staging.mkdir(parents=True, exist_ok=True)
+    text = remote.cat(name).decode()
+    names = [n for sh in journal_shards(text) for n in (sh["path"], sh["index"])]
+    remote.get_many([(n, staging / n) for n in names])
+    (staging / name).write_text(text)  # last: a restore cut short leaves no journal, so it is done again
+    return len(names) // 2
 
 
 def merge_to_url(url: str, storage_options: dict | None = None):
