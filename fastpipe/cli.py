@@ -16,7 +16,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 from fastpipe import __version__
-from fastpipe.errors import FastpipeError, Interrupted
+from fastpipe.errors import ConfigError, FastpipeError, Interrupted
 from fastpipe.util import local_path
 
 # OS errors that are the environment's, not a bug: reported in one line with the file they concern.
@@ -123,10 +123,20 @@ def _cmd_merge(a) -> int:
 
 def _cmd_index(a) -> int:
     from fastpipe.convert.foreign import IndexConfig, index_only, index_shards
+    from fastpipe.storage import is_url
 
     cfg = config_from(a, IndexConfig)
     if cfg.idx_only:
-        n = index_only([local_path(p, "shard") for p in [*cfg.train, *cfg.val]])  # .idx files are written beside
+        paths = [*cfg.train, *cfg.val]
+        urls = [str(p) for p in paths if is_url(str(p))]
+        if urls and len(urls) < len(paths):
+            raise ConfigError("index --idx-only takes local shards or shards in a store, not both in one command")
+        if urls:
+            from fastpipe.convert.publish import index_only_urls
+
+            n = index_only_urls(urls)
+        else:
+            n = index_only([local_path(p, "shard") for p in paths])  # .idx files are written beside
         print(f"wrote .idx files for {len(cfg.train) + len(cfg.val)} shards ({n} samples); no manifest touched")
         return 0
     manifest = index_shards(cfg)

@@ -479,8 +479,11 @@ def test_index_adopts_foreign_shards_in_a_bucket(tmp_path, s3_bucket, monkeypatc
     assert "add --overwrite" in capsys.readouterr().err
     assert main(["index", urls[0], "s3://leafs/elsewhere/part-000.tar"]) == 2
     assert "all in one folder" in capsys.readouterr().err
-    assert main(["index", "--idx-only", urls[0]]) == 2
-    assert "is a URL: here a local folder is needed" in capsys.readouterr().err  # not a path "s3:/..."
+    bucket.delete(tars[0].with_suffix(".idx").name)  # a lost index: rebuilt in place, nothing else written
+    assert main(["index", "--idx-only", urls[0]]) == 0
+    assert bucket.cat(tars[0].with_suffix(".idx").name) == tars[0].with_suffix(".idx").read_bytes()
+    assert main(["index", "--idx-only", urls[0], str(tars[1])]) == 2
+    assert "not both in one command" in capsys.readouterr().err
     assert main(["inspect", "s3://leafs/foreign"]) == 0  # an adopted set has no rejected.jsonl: not an error
     assert "s3://leafs/foreign: 3 classes" in capsys.readouterr().out
 

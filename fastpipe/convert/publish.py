@@ -164,6 +164,30 @@ def index_to_url(cfg, index_shards, storage_options: dict | None = None):
     return load(prefix, storage_options)  # the manifest as the store now has it
 
 
+def index_only_urls(urls: list[str], storage_options: dict | None = None) -> int:
+    """`fastpipe index --idx-only URL/a.tar ...`: each shard downloaded once into a staging folder, indexed, and
+    its .idx uploaded beside it (nothing else is written). Returns the samples indexed."""
+    from fastpipe.convert.foreign import index_only
+    from fastpipe.shardformat import index_path_for
+
+    staging = staging_folder("#idx-only " + " ".join(urls))
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    total = 0
+    try:
+        for url in urls:
+            prefix, name = url.rstrip("/").rsplit("/", 1)
+            remote = Remote(prefix, storage_options)
+            remote.get_many([(name, staging / name)])
+            total += index_only([staging / name])
+            idx = index_path_for(staging / name)
+            remote.put_many([(idx, idx.name)])
+            (staging / name).unlink()
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return total
+
+
 def upload(folder: Path, remote: Remote, skip: set[str] = frozenset()) -> None:
     """Every file fastpipe wrote in `folder` (not its lock or journal, nor those in `skip`), the manifest
     (dataset.json, or a part's dataset.part-*.json) last."""
@@ -174,4 +198,4 @@ def upload(folder: Path, remote: Remote, skip: set[str] = frozenset()) -> None:
     remote.put_many([(p, p.name) for p in last])
 
 
-__all__ = ["index_to_url", "merge_to_url", "shard_to_url", "staging_folder", "upload"]
+__all__ = ["index_only_urls", "index_to_url", "merge_to_url", "shard_to_url", "staging_folder", "upload"]
