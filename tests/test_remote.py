@@ -393,6 +393,8 @@ def test_a_conversion_whose_machine_is_lost_resumes_on_another(tmp_path, s3_buck
     out = capsys.readouterr().out
     restored = re.search(r"resumed from the journal in the store \((\d+) shards already converted\)", out)
     assert restored and int(restored.group(1)) >= len(mirrored), out
+    converted = re.search(r"(\d+) images converted", out)  # the restored shards' images are not converted again
+    assert converted and 0 < int(converted.group(1)) < 150, out
     from fastpipe.convert.driver import ShardConfig, shard
 
     shard(ShardConfig(src, tmp_path / "clean", short_side=96, max_shard_size=64 * 1024, workers=1))
