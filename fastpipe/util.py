@@ -9,6 +9,7 @@ import re
 import socket
 import stat
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -159,3 +160,24 @@ def pool_context():
     if "nvidia.dali" in sys.modules or (torch is not None and torch.cuda.is_initialized()):
         return multiprocessing.get_context("spawn")
     return multiprocessing.get_context("fork")
+
+
+class Ticker:
+    """Calls `tick()` every `seconds` on a daemon thread for the length of a `with` block."""
+
+    def __init__(self, seconds: float, tick, name: str = "fastpipe-ticker"):
+        self.seconds, self.tick = seconds, tick
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.seconds):
+            self.tick()
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()

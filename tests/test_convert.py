@@ -261,6 +261,24 @@ def test_merged_previews_are_a_uniform_sample_of_each_class():
     assert np.all(np.abs(seen - rounds * shown / sum(sizes)) < 135), seen
 
 
+def test_merge_refuses_preview_candidates_outside_the_parts_shards(tmp_path, folder):
+    """A part manifest is input (in a bucket, anyone with write access made it): a preview sample that points
+    outside that part's own shards is refused with the part named, never read."""
+    from fastpipe.convert.merge import merge_parts
+    from fastpipe.manifest import ManifestError
+
+    out = tmp_path / "o"
+    for i in range(2):
+        shard(cfg(folder, out, parts=2, part=i))
+    part = out / "dataset.part-001-of-002.json"
+    d = json.loads(part.read_text())
+    d["outputs"]["preview_candidates"]["0"]["samples"][0][0] = "../../etc/passwd"
+    part.write_text(json.dumps(d))
+    with pytest.raises(ManifestError, match=r"part 1: outputs\.preview_candidates is damaged"):
+        merge_parts(out)
+    assert not (out / "dataset.json").exists()
+
+
 def test_merge_refuses_missing_parts(tmp_path, folder):
     from fastpipe.convert.merge import merge_parts
     from fastpipe.manifest import ManifestError

@@ -6,10 +6,11 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
+
+from fastpipe.util import Ticker
 
 
 @dataclass
@@ -112,32 +113,24 @@ def measure(step: Callable[[], int], *, warmup: int = 2, windows: int = 3, windo
     return Throughput(statistics.median(rates), min(rates), max(rates), total_n, time.perf_counter() - start, rates)
 
 
-class Utilisation:
+class Utilisation(Ticker):
     """CPU % (psutil) and GPU % (NVML through torch, where installed) sampled in the background."""
 
     def __init__(self, device: str):
-        self.device, self.cpu, self.gpu = device, [], []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        import psutil
 
-    def _run(self):
+        super().__init__(0.2, self._sample, "fastpipe-utilisation")
+        self.device, self.cpu, self.gpu = device, [], []
+        psutil.cpu_percent(None)  # the first call only starts psutil's interval
+
+    def _sample(self) -> None:
         import psutil
         import torch
 
-        psutil.cpu_percent(None)
-        while not self._stop.wait(0.2):
-            self.cpu.append(psutil.cpu_percent(None))
-            if self.device.startswith("cuda"):
-                with contextlib.suppress(Exception):  # without NVML (pynvml) the GPU figure is simply absent
-                    self.gpu.append(torch.cuda.utilization(torch.device(self.device)))
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
+        self.cpu.append(psutil.cpu_percent(None))
+        if self.device.startswith("cuda"):
+            with contextlib.suppress(Exception):  # without NVML (pynvml) the GPU figure is simply absent
+                self.gpu.append(torch.cuda.utilization(torch.device(self.device)))
 
     def summary(self) -> dict:
         avg = lambda xs: round(sum(xs) / len(xs), 1) if xs else None  # noqa: E731

@@ -43,18 +43,19 @@ def journal_name(suffix: str = "") -> str:
     return f".fastpipe-progress{suffix}.jsonl"
 
 
-def journal_shards(text: str) -> list[dict]:
-    """The shards a journal's complete lines list, in order (a line cut short by a kill ends the list)."""
-    lines = text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]
-    shards = []
+def _entries(lines: list[str]):
+    """(line, entry) for a journal's lines after the fingerprint; a line cut short by a kill ends them."""
     for line in lines[1:]:
         try:
-            entry = json.loads(line)
+            yield line, json.loads(line)
         except ValueError:
-            break
-        if entry.get("shard"):
-            shards.append(entry["shard"])
-    return shards
+            return
+
+
+def journal_shards(text: str) -> list[dict]:
+    """The shards a journal lists, in order; a last line still being written is left out."""
+    lines = text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]
+    return [e["shard"] for _, e in _entries(lines) if e.get("shard")]
 
 
 class Journal:
@@ -76,11 +77,7 @@ class Journal:
             return progress
         broken: set[str] = set()
         kept = [json.dumps({"fingerprint": self.fingerprint})]
-        for line in self.path.read_text().splitlines()[1:]:
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                break  # a line cut short by a kill: everything after it is redone
+        for line, entry in _entries(self.path.read_text().splitlines()):  # after a cut line: redone
             split = entry["split"]
             if split in broken or not _shard_intact(folder, entry.get("shard")):
                 broken.add(split)

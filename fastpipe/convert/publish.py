@@ -24,7 +24,6 @@ import contextlib
 import hashlib
 import os
 import shutil
-import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from fastpipe.convert.journal import journal_name, journal_shards
 from fastpipe.errors import ConfigError
 from fastpipe.manifest import MANIFEST_NAME, load
 from fastpipe.storage import Remote, is_url
+from fastpipe.util import Ticker
 
 
 def staging_folder(url: str) -> Path:
@@ -62,29 +62,19 @@ def shard_to_url(cfg, shard, storage_options: dict | None = None):
 MIRROR_SECONDS = float(os.environ.get("FASTPIPE_MIRROR_SECONDS", 2))
 
 
-class _Mirror:
-    """Every MIRROR_SECONDS while a conversion runs, and once at its end: the shards (.tar, .idx) its journal
-    lists that the store lacks, then the journal as read, so the store's journal never lists a shard the store
-    lacks. A failing store does not stop the conversion: the final upload retries and reports."""
+class _Mirror(Ticker):
+    """Every MIRROR_SECONDS while a conversion runs: the shards (.tar, .idx) its journal lists that the store
+    lacks, then the journal as read, so the store's journal never lists a shard the store lacks. A failing store
+    does not stop the conversion: the final upload (which skips what was sent) retries and reports."""
 
     def __init__(self, staging: Path, remote: Remote, name: str):
+        super().__init__(MIRROR_SECONDS, self._quietly, "fastpipe-mirror")
         self.staging, self.remote, self.name = staging, remote, name
         self.sent: set[str] = set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="fastpipe-mirror", daemon=True)
 
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(MIRROR_SECONDS):
-            with contextlib.suppress(Exception):
-                self.sync()
+    def _quietly(self) -> None:
+        with contextlib.suppress(Exception):
+            self.sync()
 
     def sync(self) -> None:
         try:
