@@ -179,7 +179,7 @@ class Remote:
     def _read(self, parts: list[tuple[str, int | None, int | None]], inflight: int | None = None) -> list[bytes]:
         """(rel, start, end) each, None for a whole object; each retried. An async client (s3fs, gcsfs, adlfs,
         http) gets them all in one call on its event loop, `inflight` at a time: a thread per request handing each
-        to that loop cost about 1.6x the CPU (0.23 s against 0.14 s per 100 MB over loopback, measured by hand),
+        to that loop cost 1.8x the CPU (0.33 s against 0.19 s per 100 MB over loopback: benchmarks/bench_io.py),
         and that comes out of decoding on a busy machine."""
         fs, root, pool = self._client()
         if not getattr(fs, "async_impl", False):
