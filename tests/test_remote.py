@@ -148,6 +148,35 @@ def test_damaged_cached_shard_is_fetched_again(converted, tmp_path):
     assert loader.stats.fetched_bytes > 0
 
 
+def test_fetch_windows_grow_while_decoding_waits_for_them(converted, tmp_path):
+    """A store slower to answer than decoding is to use up a window: windows double (fewer, larger fetches, a
+    round trip each), up to MAX_WINDOW batches, or to what a cache limit leaves room for; every batch still comes,
+    in order."""
+    from fastpipe.loaders import stream
+    from fastpipe.loaders.shards import ShardSet
+
+    with FolderServer(converted, Faults(latency=0.05)) as url:
+        fetches = {}
+        for limit in (None, 1):
+            shards = ShardSet(load(url, cache_dir=tmp_path / f"c{limit}", cache_limit=limit), "train")
+            sizes, fetch = [], shards.fetch
+
+            def counted(ids, *a, sizes=sizes, fetch=fetch, **k):
+                sizes.append(len(ids))
+                return fetch(ids, *a, **k)
+
+            shards.fetch = counted
+            plan = [(np.array([i]), i) for i in range(shards.total)]  # batches of one sample, consumed at once
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a limit of 1 byte is over at every fetch: said, not an error
+                assert [i for _, i in stream.fetched_ahead(shards, iter(plan))] == list(range(shards.total))
+            assert sizes[0] == 1 and sum(sizes) == shards.total, sizes
+            fetches[limit] = sizes
+    # windows already queued keep their size: growth shows from the fourth on
+    assert 4 * stream.FETCH_WINDOW <= max(fetches[None]) <= stream.MAX_WINDOW, fetches
+    assert max(fetches[1]) == stream.FETCH_WINDOW, fetches  # no room in the cache: never above the default
+
+
 def test_reading_cached_samples_never_waits_behind_a_fetch_ahead(converted, tmp_path):
     """A worker fetches its next batches from a thread while it decodes this one: the decode must not wait for
     that fetch (it did: one lock was held across the download)."""

@@ -8,6 +8,7 @@ StreamLoader is the base of the backends whose host batches come from it in Data
 from __future__ import annotations
 
 import atexit
+import collections
 import os
 import sys
 import warnings
@@ -76,31 +77,56 @@ class SampleStream(IterableDataset):
 
 FETCH_WINDOW = 4  # batches fetched together (more samples per request: coalescing, fewer round trips)
 FETCH_AHEAD = 2  # windows fetched ahead of the one being decoded
+MAX_WINDOW = 32  # batches: a window doubles, up to this, each time decoding had to wait for it
 
 
 def fetched_ahead(shards: ShardSet, plan):
     """The plan, with a data set in object storage fetched into the node's cache ahead of decoding, from a
-    thread: requests are in flight while this worker decodes, so store latency hides behind decode time."""
+    thread: requests are in flight while this worker decodes, so store latency hides behind decode time.
+
+    The first window is one batch, so that decoding starts after one small fetch; then windows of FETCH_WINDOW
+    batches, doubled each time decoding waited for one. On a store slower to answer than decoding is to use up a
+    window (100 ms a request here, against 0.2 s to decode a window), fixed windows left decoding waiting about a
+    round trip per window; a larger one pays the round trip once for more samples, in as many requests at once."""
     if shards.cache is None:
         yield from plan
         return
-    batches = list(plan)
-    # The first batch alone, so that decoding starts after one small fetch; then windows of FETCH_WINDOW.
-    windows = [batches[:1]] + [batches[k: k + FETCH_WINDOW] for k in range(1, len(batches), FETCH_WINDOW)]
+    batches, cut, size = list(plan), 0, 1
+    largest = _largest_window(shards, len(batches[0][0]) if batches else 1)
     pool = ThreadPoolExecutor(1, thread_name_prefix="fastpipe-fetch")
+    pending: collections.deque = collections.deque()
 
-    def submit(w):
-        return pool.submit(shards.fetch, np.concatenate([ids for ids, _ in w]), remap=False)
+    def submit():
+        nonlocal cut
+        w = batches[cut : cut + size]
+        cut += len(w)
+        pending.append((pool.submit(shards.fetch, np.concatenate([ids for ids, _ in w]), remap=False), w))
 
     try:
-        futures = [submit(w) for w in windows[:FETCH_AHEAD]]
-        for k, w in enumerate(windows):
-            if k + FETCH_AHEAD < len(windows):
-                futures.append(submit(windows[k + FETCH_AHEAD]))
-            futures[k].result()
+        submit()
+        size = FETCH_WINDOW
+        first = True
+        while pending:
+            while cut < len(batches) and len(pending) <= FETCH_AHEAD:  # this one and FETCH_AHEAD after it
+                submit()
+            future, w = pending.popleft()
+            if not future.done() and not first:
+                size = min(2 * size, largest)
+            first = False
+            future.result()
             yield from w
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _largest_window(shards: ShardSet, batch: int) -> int:
+    """MAX_WINDOW batches, or fewer under a cache limit: the windows ahead and the one being decoded take at most
+    half of it, since their samples must stay cached until decoded. Never fewer than FETCH_WINDOW."""
+    limit = shards.cache.limit
+    if not limit:
+        return MAX_WINDOW
+    per_batch = batch * sum(shards.cache.sizes) / max(shards.total, 1)
+    return max(FETCH_WINDOW, min(MAX_WINDOW, int(limit / (2 * (FETCH_AHEAD + 1) * per_batch))))
 
 
 def _worker_context():
