@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -217,9 +218,10 @@ def test_killed_run_resumes_to_identical_bytes(tmp_path):
 
 def test_parts_then_merge_equal_one_run(tmp_path):
     src = make_folder(tmp_path / "src", {"red": 10, "green": 7, "blue": 5})
+    elsewhere = shutil.copytree(src, tmp_path / "node-2" / "scratch")  # a node with the photos at another path
     out = tmp_path / "parts"
     for i in range(3):
-        shard(cfg(src, out, parts=3, part=i, max_shard_size=64 * 1024))
+        shard(cfg(elsewhere if i == 2 else src, out, parts=3, part=i, max_shard_size=64 * 1024))
     assert not (out / "dataset.json").exists()
     from fastpipe.convert.merge import merge_parts
 
@@ -277,6 +279,37 @@ def test_merge_refuses_preview_candidates_outside_the_parts_shards(tmp_path, fol
     with pytest.raises(ManifestError, match=r"part 1: outputs\.preview_candidates is damaged"):
         merge_parts(out)
     assert not (out / "dataset.json").exists()
+
+
+def test_merge_refuses_parts_that_saw_different_files(tmp_path, folder):
+    """Each part plans the whole job from what it sees in SRC; a node whose copy differs (a photo changed) would
+    cut the samples differently, so the merge refuses rather than leaving samples out or in twice."""
+    from fastpipe.convert.merge import merge_parts
+    from fastpipe.manifest import ManifestError
+
+    other = shutil.copytree(folder, tmp_path / "node-2")
+    victim = sorted(p for p in other.rglob("*.jpg"))[0]
+    victim.write_bytes(victim.read_bytes() + b"\0")  # other bytes, still a decodable JPEG
+    shard(cfg(folder, tmp_path / "o", parts=2, part=0))
+    shard(cfg(other, tmp_path / "o", parts=2, part=1))
+    with pytest.raises(ManifestError, match=r"different settings, class lists or source files"):
+        merge_parts(tmp_path / "o")
+
+
+def test_an_output_written_before_the_source_path_left_the_fingerprint_is_up_to_date(tmp_path, folder,
+                                                                                     monkeypatch):
+    """Its dataset.json holds the fingerprint computed with SRC's path: the same command finds it complete
+    instead of refusing it as another conversion."""
+    from fastpipe.convert import plan
+
+    seen, real = [], plan.fingerprints
+    monkeypatch.setattr(plan, "fingerprints", lambda *a: seen.append(real(*a)) or seen[-1])
+    shard(cfg(folder, tmp_path / "o"))
+    doc = json.loads((tmp_path / "o" / "dataset.json").read_text())
+    assert doc["settings"]["fingerprint"] == seen[0][0] != seen[0][1]
+    doc["settings"]["fingerprint"] = seen[0][1]  # as the earlier version wrote it
+    (tmp_path / "o" / "dataset.json").write_text(json.dumps(doc))
+    assert shard(cfg(folder, tmp_path / "o")).up_to_date
 
 
 def test_merge_refuses_missing_parts(tmp_path, folder):

@@ -386,9 +386,9 @@ def test_an_interrupted_upload_resumes_with_the_same_bytes(folder, tmp_path, s3_
 
 def test_a_conversion_whose_machine_is_lost_resumes_on_another(tmp_path, s3_bucket, monkeypatch, capsys):
     """`shard SRC s3://...` is killed mid-way and its machine's disk is gone (its staging folder deleted). The
-    same command on another machine (another cache folder) resumes from the journal the first mirrored into the
-    bucket: it converts fewer than all the photos, gives the bytes of an uninterrupted run, and removes the
-    journal from the bucket."""
+    same command on another machine (another cache folder, the photos copied to another path) resumes from the
+    journal the first mirrored into the bucket: it converts fewer than all the photos, gives the bytes of an
+    uninterrupted run, and removes the journal from the bucket."""
     from conftest import make_folder
 
     from fastpipe.cli import main
@@ -418,6 +418,7 @@ def test_a_conversion_whose_machine_is_lost_resumes_on_another(tmp_path, s3_buck
 
     shutil.rmtree(tmp_path / "machine-a")  # the lost machine's disk
     monkeypatch.setenv("FASTPIPE_CACHE", str(tmp_path / "machine-b" / "shards"))
+    src = shutil.copytree(src, tmp_path / "machine-b" / "photos")  # mounted elsewhere there
     assert main(["shard", str(src), url, *args]) == 0
     out = capsys.readouterr().out
     restored = re.search(r"resumed from the journal in the store \((\d+) shards already converted\)", out)

@@ -211,16 +211,16 @@ def _make_pool(workers: int, cfg: ShardConfig):
                                 initargs=(cfg.image_settings(), cfg.max_file_size, True))
 
 
-def _guard(cfg: ShardConfig, fingerprint: str, journal: Journal) -> bool:
-    """True when OUT already holds this exact conversion. Refuses other work unless --overwrite, and then removes
-    only what fastpipe's own records say it wrote (outputs.py)."""
+def _guard(cfg: ShardConfig, fingerprints: tuple[str, str], journal: Journal) -> bool:
+    """True when OUT already holds this exact conversion (plan.fingerprints). Refuses other work unless
+    --overwrite, and then removes only what fastpipe's own records say it wrote (outputs.py)."""
     manifest, problem = outputs.read_manifest(cfg.out / f"dataset{cfg.suffix}.json")
     if manifest is not None:
         previous = manifest.settings.get("fingerprint") or "adopted shards (fastpipe index)"
     else:
         previous = problem or journal.read_fingerprint()
     owned = (outputs.manifest_files(manifest) if manifest else set()) | outputs.journal_files(journal.path)
-    if previous not in (None, fingerprint):
+    if previous not in (None, *fingerprints):
         if not cfg.overwrite:
             what = previous if not _is_hex(previous) else "a conversion made with other settings or input files"
             raise ConvertError(f"{cfg.out} holds {what}. Use --overwrite to replace it (only files fastpipe "
@@ -229,7 +229,7 @@ def _guard(cfg: ShardConfig, fingerprint: str, journal: Journal) -> bool:
                        cfg.out / f"dataset{cfg.suffix}.json"})
         owned = set()
     outputs.refuse_conflicts(cfg.out, outputs.foreign_conflicts(cfg.out, cfg.prefixes, owned))
-    return previous == fingerprint and manifest is not None
+    return previous in fingerprints and manifest is not None
 
 
 def _is_hex(text: str) -> bool:
@@ -250,7 +250,7 @@ def _convert_split(name, samples, root: Path, run: _SplitRun, classes, pool) -> 
     return len(todo)
 
 
-def _finalize(cfg, source, progress, early: list[Rejection], fingerprint, pool) -> Manifest:
+def _finalize(cfg, source, progress, early: list[Rejection], ids: dict, pool) -> Manifest:
     """rejected.jsonl, previews, then dataset.json last: a conversion is complete only when every output is, so
     a run stopped in between (a full disk while drawing previews) is finished by the rerun, not declared done."""
     rejected = sorted([r.to_dict() for r in early] + [r for p in progress.values() for r in p.rejected],
@@ -260,7 +260,7 @@ def _finalize(cfg, source, progress, early: list[Rejection], fingerprint, pool) 
         classes=tuple(source.classes),
         splits={n: SplitInfo(tuple(p.shards), tuple(p.counts)) for n, p in progress.items()},
         stats=progress["train"].stats,
-        settings={**cfg.settings(), "fingerprint": fingerprint, "fastpipe": __version__},
+        settings={**cfg.settings(), **ids, "fastpipe": __version__},  # ids: plan.fingerprints
         components=Components(label="labels") if source.multilabel else Components(),
         root=cfg.out,
         outputs={"rejected": f"rejected{cfg.suffix}.jsonl"},
@@ -328,9 +328,9 @@ def _run(cfg: ShardConfig, source, summary: Summary, start: float) -> None:
         ordered = {n: plan.order_split(by_split[n], source.classes, cfg.seed, salt, source.multilabel)
                    for salt, n in enumerate(SPLITS)}
         mine = {n: [s[i] for i in plan.part_range(len(s), cfg.part, cfg.parts)] for n, s in ordered.items()}
-        fingerprint = plan.plan_fingerprint(cfg.settings(), mine, hashes)
-        journal = Journal(cfg.out / journal_name(cfg.suffix), fingerprint)
-        if _guard(cfg, fingerprint, journal):
+        fingerprints = plan.fingerprints(cfg.settings(), ordered, mine, hashes)
+        journal = Journal(cfg.out / journal_name(cfg.suffix), fingerprints[0])
+        if _guard(cfg, fingerprints[:2], journal):
             summary.up_to_date = True
             return
         progress = journal.load(cfg.out)
@@ -342,7 +342,7 @@ def _run(cfg: ShardConfig, source, summary: Summary, start: float) -> None:
         clock.lap("convert")
         # Refusals found before any decoding are recorded once, by part 0, for a cluster job.
         early_all = list(source.rejections) + early + duplicates if cfg.part == 0 else []
-        _finalize(cfg, source, progress, early_all, fingerprint, pool)
+        _finalize(cfg, source, progress, early_all, {"fingerprint": fingerprints[0], "plan": fingerprints[2]}, pool)
         journal.remove()
         clock.lap("finish")
     finally:

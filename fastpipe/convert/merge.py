@@ -29,12 +29,19 @@ def _parts(out: Path, where: str | None = None) -> list[Manifest]:
     if missing or any(k != n for _, k, _ in found):
         raise ManifestError(f"{where}: parts {missing} of {n} are missing or unfinished; run them, then merge again")
     manifests = [from_dict(json.loads(p.read_text()), out) for _, _, p in found]
-    base = {k: v for k, v in manifests[0].settings.items() if k not in ("part", "fingerprint")}
+    base = _shared(manifests[0].settings)
     for m in manifests[1:]:
-        other = {k: v for k, v in m.settings.items() if k not in ("part", "fingerprint")}
-        if other != base or m.classes != manifests[0].classes:
-            raise ManifestError(f"{where}: parts were converted with different settings or class lists")
+        if _shared(m.settings) != base or m.classes != manifests[0].classes:
+            raise ManifestError(f"{where}: parts were converted with different settings, class lists or source "
+                                f"files; convert every part from the same SRC contents with the same options")
     return manifests
+
+
+def _shared(settings: dict) -> dict:
+    """What every part of one job has in common: not its number or fingerprint, nor where its node had SRC (the
+    plan hash says the parts saw the same files). Parts written before the plan hash compare SRC's path."""
+    drop = {"part", "fingerprint"} | ({"source"} if "plan" in settings else set())
+    return {k: v for k, v in settings.items() if k not in drop}
 
 
 def merge_parts(out) -> Manifest:

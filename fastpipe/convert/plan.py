@@ -138,8 +138,21 @@ def part_range(n: int, part: int, parts: int) -> range:
     return range(n * part // parts, n * (part + 1) // parts)
 
 
-def plan_fingerprint(settings: dict, splits: dict[str, list[Sample]], hashes: dict[str, str]) -> str:
-    """Changes when a setting, the file list, a label or a file's bytes change."""
+def fingerprints(settings: dict, ordered: dict[str, list[Sample]], mine: dict[str, list[Sample]],
+                 hashes: dict[str, str]) -> tuple[str, str, str]:
+    """(this part's plan, the same as fastpipe computed it before leaving SRC's path out, the whole job's plan).
+
+    The first changes when a setting, the file list (paths under SRC), a label or a file's bytes change; not when
+    SRC is mounted elsewhere, as on the machine that resumes a lost one's conversion or on each node of a cluster
+    job. The second keeps an output written before that change up to date. The third is the same for every part
+    of a cluster job (all parts' samples, the settings but the part): a merge checks that its parts saw the same
+    files."""
+    common = {k: v for k, v in settings.items() if k != "source"}
+    return (_digest(common, mine, hashes), _digest(settings, mine, hashes),
+            _digest({k: v for k, v in common.items() if k != "part"}, ordered, hashes))
+
+
+def _digest(settings: dict, splits: dict[str, list[Sample]], hashes: dict[str, str]) -> str:
     h = hashlib.sha256(repr(sorted(settings.items())).encode())
     for name in sorted(splits):
         for s in splits[name]:
