@@ -86,8 +86,8 @@ def fetched_ahead(shards: ShardSet, plan):
 
     The first window is one batch, so that decoding starts after one small fetch; then windows of FETCH_WINDOW
     batches, doubled each time decoding waited for one. On a store slower to answer than decoding is to use up a
-    window (100 ms a request here, against 0.2 s to decode a window), fixed windows left decoding waiting about a
-    round trip per window; a larger one pays the round trip once for more samples, in as many requests at once."""
+    window (bench_remote at 100 ms), fixed windows left decoding waiting about a round trip per window; a larger
+    one pays the round trip once for more samples, in as many requests at once."""
     if shards.cache is None:
         yield from plan
         return
