@@ -148,17 +148,20 @@ def test_damaged_cached_shard_is_fetched_again(converted, tmp_path):
     assert loader.stats.fetched_bytes > 0
 
 
-def test_fetch_windows_grow_while_decoding_waits_for_them(converted, tmp_path):
+def test_fetch_windows_grow_while_decoding_waits_for_them(converted, tmp_path, monkeypatch):
     """A store slower to answer than decoding is to use up a window: windows double (fewer, larger fetches, a
-    round trip each), up to MAX_WINDOW batches, or to what a cache limit leaves room for; every batch still comes,
-    in order."""
+    round trip each), up to MAX_WINDOW batches, MAX_WINDOW_BYTES, or what a cache limit leaves room for; every
+    batch still comes, in order."""
     from fastpipe.loaders import stream
     from fastpipe.loaders.shards import ShardSet
 
     with FolderServer(converted, Faults(latency=0.05)) as url:
         fetches = {}
-        for limit in (None, 1):
-            shards = ShardSet(load(url, cache_dir=tmp_path / f"c{limit}", cache_limit=limit), "train")
+        for limit in (None, 1, "bytes"):
+            if limit == "bytes":
+                monkeypatch.setattr(stream, "MAX_WINDOW_BYTES", 1)
+            shards = ShardSet(load(url, cache_dir=tmp_path / f"c{limit}",
+                                   cache_limit=limit if limit != "bytes" else None), "train")
             sizes, fetch = [], shards.fetch
 
             def counted(ids, *a, sizes=sizes, fetch=fetch, **k):
@@ -175,6 +178,7 @@ def test_fetch_windows_grow_while_decoding_waits_for_them(converted, tmp_path):
     # windows already queued keep their size: growth shows from the fourth on
     assert 4 * stream.FETCH_WINDOW <= max(fetches[None]) <= stream.MAX_WINDOW, fetches
     assert max(fetches[1]) == stream.FETCH_WINDOW, fetches  # no room in the cache: never above the default
+    assert max(fetches["bytes"]) == stream.FETCH_WINDOW, fetches  # nor over the bytes a window may hold
 
 
 def test_reading_cached_samples_never_waits_behind_a_fetch_ahead(converted, tmp_path):

@@ -78,6 +78,7 @@ class SampleStream(IterableDataset):
 FETCH_WINDOW = 4  # batches fetched together (more samples per request: coalescing, fewer round trips)
 FETCH_AHEAD = 2  # windows fetched ahead of the one being decoded
 MAX_WINDOW = 32  # batches: a window doubles, up to this, each time decoding had to wait for it
+MAX_WINDOW_BYTES = 64 << 20  # and to no more bytes than this: a window's bytes are all in memory before written
 
 
 def fetched_ahead(shards: ShardSet, plan):
@@ -120,13 +121,13 @@ def fetched_ahead(shards: ShardSet, plan):
 
 
 def _largest_window(shards: ShardSet, batch: int) -> int:
-    """MAX_WINDOW batches, or fewer under a cache limit: the windows ahead and the one being decoded take at most
-    half of it, since their samples must stay cached until decoded. Never fewer than FETCH_WINDOW."""
-    limit = shards.cache.limit
-    if not limit:
-        return MAX_WINDOW
-    per_batch = batch * sum(shards.cache.sizes) / max(shards.total, 1)
-    return max(FETCH_WINDOW, min(MAX_WINDOW, int(limit / (2 * (FETCH_AHEAD + 1) * per_batch))))
+    """MAX_WINDOW batches, or fewer: MAX_WINDOW_BYTES at most, and under a cache limit the windows ahead and the
+    one being decoded take at most half of it, since their samples must stay cached until decoded. Never fewer
+    than FETCH_WINDOW."""
+    per_batch = max(1.0, batch * sum(shards.cache.sizes) / max(shards.total, 1))
+    room = MAX_WINDOW_BYTES if not shards.cache.limit else min(MAX_WINDOW_BYTES,
+                                                               shards.cache.limit / (2 * (FETCH_AHEAD + 1)))
+    return max(FETCH_WINDOW, min(MAX_WINDOW, int(room / per_batch)))
 
 
 def _worker_context():
