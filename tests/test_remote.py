@@ -148,6 +148,17 @@ def test_damaged_cached_shard_is_fetched_again(converted, tmp_path):
     assert loader.stats.fetched_bytes > 0
 
 
+def test_a_remote_split_with_fewer_batches_than_workers_reads_whole(converted, tmp_path):
+    """A small split read by more workers than it has batches: the idle worker ends its share quietly (it failed
+    with numpy's 'need at least one array to concatenate')."""
+    m = load(converted)
+    batches = -(-m.split("val").samples // KW["batch_size"])
+    local = epoch(make_loader(converted, split="val", num_workers=0, **KW))
+    with FolderServer(converted) as url:
+        remote = epoch(make_loader(url, split="val", num_workers=batches + 1, cache_dir=tmp_path / "c", **KW))
+    assert remote[:2] == local[:2]
+
+
 def test_fetch_windows_grow_while_decoding_waits_for_them(converted, tmp_path, monkeypatch):
     """A store slower to answer than decoding is to use up a window: windows double (fewer, larger fetches, a
     round trip each), up to MAX_WINDOW batches, MAX_WINDOW_BYTES, or what a cache limit leaves room for; every

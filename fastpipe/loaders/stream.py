@@ -93,7 +93,9 @@ def fetched_ahead(shards: ShardSet, plan):
         yield from plan
         return
     batches, cut, size = list(plan), 0, 1
-    largest = _largest_window(shards, len(batches[0][0]) if batches else 1)
+    if not batches:  # a worker with no batch this epoch (more workers than a small split has batches)
+        return
+    largest = _largest_window(shards, len(batches[0][0]))
     pool = ThreadPoolExecutor(1, thread_name_prefix="fastpipe-fetch")
     pending: collections.deque = collections.deque()
 
