@@ -296,6 +296,27 @@ def test_merge_refuses_parts_that_saw_different_files(tmp_path, folder):
         merge_parts(tmp_path / "o")
 
 
+def test_parts_written_before_the_plan_hash_still_compare_the_source_path(tmp_path, folder):
+    """Part manifests without `settings.plan` (written by an earlier fastpipe) have nothing else to show they saw
+    the same files: parts from two SRC paths are refused, as they were; from one path they merge."""
+    from fastpipe.convert.merge import merge_parts
+    from fastpipe.manifest import ManifestError
+
+    other = shutil.copytree(folder, tmp_path / "node-2")
+    for out, second in ((tmp_path / "two", other), (tmp_path / "one", folder)):
+        shard(cfg(folder, out, parts=2, part=0))
+        shard(cfg(second, out, parts=2, part=1))
+        for part in out.glob("dataset.part-*.json"):
+            doc = json.loads(part.read_text())
+            del doc["settings"]["plan"]
+            part.write_text(json.dumps(doc))
+    with pytest.raises(ManifestError, match=r"different settings, class lists or source files"):
+        merge_parts(tmp_path / "two")
+    parts = [json.loads(p.read_text()) for p in (tmp_path / "one").glob("dataset.part-*.json")]
+    merged = merge_parts(tmp_path / "one")
+    assert merged.splits["train"].samples == sum(sum(p["splits"]["train"]["class_counts"]) for p in parts) > 0
+
+
 def test_an_output_written_before_the_source_path_left_the_fingerprint_is_up_to_date(tmp_path, folder,
                                                                                      monkeypatch):
     """Its dataset.json holds the fingerprint computed with SRC's path: the same command finds it complete

@@ -55,7 +55,7 @@ def _tile(data: bytes) -> Image.Image:
     im = Image.open(io.BytesIO(data))
     im.draft("RGB", (CELL, CELL))
     im = im.convert("RGB")
-    im.thumbnail((CELL, CELL), Image.Resampling.BILINEAR)  # antialiased when shrinking; 1.7 ms a tile, bicubic 2.7
+    im.thumbnail((CELL, CELL), Image.Resampling.BILINEAR)  # antialiased when shrinking, and cheaper than bicubic
     return im
 
 
