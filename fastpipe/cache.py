@@ -13,11 +13,12 @@ last sample of a shard arrives, the shard is checked against dataset.json's sha2
 for the file as it was then); a complete shard whose stamp is missing or older than the file is checked again
 before use, and one that fails is deleted and fetched again. Shards least recently used are evicted whole when
 the cache grows past its limit (a process that has one mapped keeps reading it; the disk space returns when it
-lets go). Damage to a partly fetched shard is found when it completes.
+lets go). Damage to a partly fetched shard is found when it completes. Each shard's `.idx` is kept beside it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import mmap
@@ -256,13 +257,42 @@ class ShardCache:
                 continue
             if path in mine:
                 self._drop(mine[path])
-            path.unlink(missing_ok=True)
-            _stamp_path(path).unlink(missing_ok=True)
+            for p in (path, _stamp_path(path), path.with_suffix(".idx")):
+                p.unlink(missing_ok=True)
             used -= nbytes
         if used > self.limit and not self._warned:
             self._warned = True
             warnings.warn(f"the shard cache {self.folder} needs {used / 1e6:,.1f} MB for the shards of one fetch, over "
                           f"its limit of {self.limit / 1e6:,.1f} MB: raise cache_limit", stacklevel=4)
+
+
+def cached_indexes(remote: Remote, folder: Path, rels: list[str], sha256s: list[str]) -> tuple[list[bytes], list[bool]]:
+    """The shards' `.idx` files: this node's copy where it has one, the others fetched together. (texts, which
+    came from the cache.) A copy is named by its shard's sha256, like the shard: an index is a function of its
+    shard's bytes, so a changed shard never meets an old copy, and a restarted job asks the store for dataset.json
+    only. The caller checks every copy as it checks a fetched index; `keep_index` stores the fetched ones."""
+    texts: list = [None] * len(rels)
+    for i, sha in enumerate(sha256s):
+        with contextlib.suppress(OSError):
+            texts[i] = (Path(folder) / f"{sha}.idx").read_bytes()
+    todo = [i for i, t in enumerate(texts) if t is None]
+    for i, text in zip(todo, remote.cat_many([rels[i] for i in todo]) if todo else []):
+        texts[i] = text
+    fetched = set(todo)
+    return texts, [i not in fetched for i in range(len(rels))]
+
+
+def keep_index(folder: Path, sha256: str, text: bytes) -> None:
+    """Store a checked `.idx` beside its shard (atomically: ranks of a node may write it at once). Not synced: a
+    copy damaged by a crash fails its check and is fetched again. A cache that cannot be written costs a refetch."""
+    path = Path(folder) / f"{sha256}.idx"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(text)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def _create(path: Path, size: int) -> None:
@@ -320,4 +350,4 @@ def _stamp(path: Path) -> None:
     tmp.replace(_stamp_path(path))
 
 
-__all__ = ["ShardCache", "coalesce", "default_cache_dir", "tiling"]
+__all__ = ["ShardCache", "cached_indexes", "coalesce", "default_cache_dir", "keep_index", "tiling"]

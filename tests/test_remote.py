@@ -91,7 +91,36 @@ def test_workers_share_the_cache_and_fetch_each_byte_once(converted, tmp_path):
     assert first.stats.requests < m.split("val").samples / 2  # coalesced: never a request per sample
     assert again.stats.requests == 0  # the second run reads the cache only
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == sorted(
-        [f"{s.sha256}.shard" for s in m.split("val").shards] + [f"{s.sha256}.ok" for s in m.split("val").shards])
+        f"{s.sha256}.{ext}" for s in m.split("val").shards for ext in ("shard", "ok", "idx"))
+
+
+def test_a_restarted_job_asks_the_store_for_dataset_json_only(converted, tmp_path):
+    """A preempted job starting again on the same node: the shards' indexes come from the cache too (a data set
+    of thousands of shards would otherwise fetch thousands of `.idx` files at every start)."""
+    faults = Faults()
+    with FolderServer(converted, faults) as url:
+        first = epoch(make_loader(url, split="train", num_workers=2, cache_dir=tmp_path / "c", **KW))
+        before = faults.requests
+        loader = make_loader(url, split="train", num_workers=2, cache_dir=tmp_path / "c", **KW)
+        asked = faults.requests - before
+        again = epoch(loader)
+    assert asked == 1  # dataset.json: it says whether the data set changed
+    assert again[:2] == first[:2] and torch.equal(again[2], first[2])
+
+
+def test_a_damaged_cached_index_is_fetched_again(converted, tmp_path):
+    m = load(converted)
+    local = epoch(make_loader(converted, split="val", num_workers=0, **KW))
+    with FolderServer(converted) as url:
+        make_loader(url, split="val", num_workers=0, cache_dir=tmp_path / "c", **KW)
+        copies = sorted((tmp_path / "c").glob("*.idx"))
+        assert len(copies) == len(m.split("val").shards)
+        copies[0].write_bytes(copies[0].read_bytes()[:-40])  # cut short, as by a crash while it was written
+        copies[-1].write_bytes(b"")
+        remote = epoch(make_loader(url, split="val", num_workers=0, cache_dir=tmp_path / "c", **KW))
+    assert remote[:2] == local[:2]
+    idx = {s.sha256: (converted / s.index).read_bytes() for s in m.split("val").shards}
+    assert all(p.read_bytes() == idx[p.stem] for p in copies)  # repaired
 
 
 def test_only_the_needed_part_of_a_shard_is_fetched(converted, tmp_path):
@@ -116,6 +145,8 @@ def test_cache_evicts_least_recently_used_shards_under_its_limit(converted, tmp_
     assert remote[:2] == local[:2]  # eviction under the reader's feet loses nothing
     window = 4 * 2 * largest  # the shards of the fetch in progress are kept (stream.FETCH_WINDOW batches)
     assert disk_use(tmp_path / "c") <= max(limit, window)
+    cached = {p.stem for p in (tmp_path / "c").glob("*.shard")}
+    assert {p.stem for p in (tmp_path / "c").glob("*.idx")} <= cached  # an index goes with its shard
     assert loader.stats.fetched_bytes > sum(s.bytes for s in m.split("train").shards)  # it did evict and refetch
 
 

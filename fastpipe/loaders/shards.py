@@ -66,6 +66,15 @@ class RawBatch:
         return f"sample {self.shards.keys[sid]} in shard {self.shards.names[int(self.shards.shard_of(sid))]}"
 
 
+def _cached_entries(text: bytes, shard):
+    """A node-cache copy of a shard's index, parsed; None when it is damaged (a crash while it was written)."""
+    try:
+        entries = parse_index(text, shard.index, shard.bytes)
+    except DataError:
+        return None
+    return entries if len(entries) == shard.samples else None
+
+
 class ShardSet:
     """The shards of one split, their indexes checked against the manifest, read by sample id."""
 
@@ -111,14 +120,22 @@ class ShardSet:
         self._add_entries(manifest, i, shard, read_index(idx, shard.bytes))
 
     def _check_remote(self, manifest: Manifest, info) -> None:
-        """The indexes fetched (concurrently) and checked as for local shards; the shards' bytes are fetched when
-        read. A cached shard is checked against its sha256 before use."""
-        from fastpipe.cache import ShardCache, tiling
+        """The indexes, from the node's cache or fetched (concurrently), checked as for local shards; the shards'
+        bytes are fetched when read. A cached shard is checked against its sha256 before use."""
+        from fastpipe.cache import ShardCache, cached_indexes, keep_index, tiling
 
         r = self.remote
-        texts = r.cat_many([s.index for s in info.shards])
-        for i, (shard, text) in enumerate(zip(info.shards, texts)):
-            self._add_entries(manifest, i, shard, parse_index(text, r.join(shard.index), shard.bytes))
+        texts, cached = cached_indexes(r, r.cache_dir, [s.index for s in info.shards], [s.sha256 for s in info.shards])
+        for i, (shard, text, was_cached) in enumerate(zip(info.shards, texts, cached)):
+            entries = _cached_entries(text, shard) if was_cached else None
+            fresh = entries is None
+            if fresh:
+                if was_cached:  # a damaged copy (a crash while it was written): fetched again
+                    text = r.cat(shard.index)
+                entries = parse_index(text, r.join(shard.index), shard.bytes)
+            self._add_entries(manifest, i, shard, entries)
+            if fresh:
+                keep_index(r.cache_dir, shard.sha256, text)
         spans = []
         for i, shard in enumerate(info.shards):
             rows = slice(self.starts[i], self.starts[i + 1])
