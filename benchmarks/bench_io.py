@@ -1,9 +1,11 @@
-"""Two I/O paths, each against the way it was done before, interleaved in one run (medians with ranges):
+"""Three I/O paths, each against the way it was done before, interleaved in one run (medians with ranges):
 
 - reading a photo: `util.read_regular` (the file's size plus one byte) against `read(limit + 1)`, which allocates
   a buffer of the 1 GB limit for every file (hashing and converting both read every photo);
 - range requests to a store: `Remote.ranges` (one `cat_ranges` call on the client's event loop) against a thread
-  per request, over loopback HTTP (fastpipe.devserver in its own process), CPU seconds of this process per 100 MB.
+  per request, over loopback HTTP (fastpipe.devserver in its own process), CPU seconds of this process per 100 MB;
+- a tar member's header, as the converter writes 3 to 4 per image: `shardformat.tar_header` against tarfile's
+  `TarInfo.tobuf` (the same bytes), µs per header.
 
     python benchmarks/bench_io.py --photos RAW_FOLDER --shards CONVERTED_SET --json bench-results/io.json
 """
@@ -20,6 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from fastpipe.shardformat import tar_header
 from fastpipe.storage import Remote
 from fastpipe.util import read_regular
 
@@ -67,6 +70,23 @@ def ranges_cpu_per_100mb(url: str, parts, batched: bool) -> float:
     return (cpu() - c) / (sum(e - s for _, s, e in parts) / 1e8)
 
 
+def tarfile_header(name: str, size: int) -> bytes:
+    import tarfile
+
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = size, 0, 0o444
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    return info.tobuf(format=tarfile.USTAR_FORMAT, encoding="utf-8")
+
+
+def header_us(make, n: int = 20_000) -> float:
+    t = time.perf_counter()
+    for k in range(n):
+        make(f"{k:08d}.jpg", 15_000 + k)
+    return (time.perf_counter() - t) / n * 1e6
+
+
 def summary(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "low": min(xs), "high": max(xs), "n": len(xs)}
 
@@ -79,13 +99,16 @@ def main(args) -> dict:
     tars = sorted(Path(args.shards).glob("train*.tar"))
     parts = [(t.name, s, min(t.stat().st_size, s + 400_000)) for t in tars for s in range(0, t.stat().st_size, 400_000)]
     runs: dict[str, list[float]] = {k: [] for k in ("read_regular_us", "read_limit_us", "ranges_batched_cpu_s",
-                                                      "ranges_thread_per_request_cpu_s")}
+                                                      "ranges_thread_per_request_cpu_s", "tar_header_us",
+                                                      "tarfile_header_us")}
     with served(Path(args.shards), 0) as (url, _):
         for r in range(args.rounds):
             runs["read_regular_us"].append(per_file_us(files, lambda f: read_regular(f, LIMIT)))
             runs["read_limit_us"].append(per_file_us(files, read_whole_limit))
             runs["ranges_batched_cpu_s"].append(ranges_cpu_per_100mb(url, parts, True))
             runs["ranges_thread_per_request_cpu_s"].append(ranges_cpu_per_100mb(url, parts, False))
+            runs["tar_header_us"].append(header_us(tar_header))
+            runs["tarfile_header_us"].append(header_us(tarfile_header))
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in runs.items()), flush=True)
     result = {"files": len(files), "mb_per_file": sum(f.stat().st_size for f in files) / len(files) / 1e6,
               "range_parts": len(parts), "cpus": os.cpu_count(), **{k: summary(v) for k, v in runs.items()}}

@@ -12,7 +12,7 @@ from conftest import COLORS, photo
 
 from fastpipe.convert.foreign import IndexConfig, index_only, index_shards
 from fastpipe.errors import DataError
-from fastpipe.shardformat import decode_label, index_tar, read_index
+from fastpipe.shardformat import decode_label, index_tar, member_chunk, read_index, tar_header
 
 
 def tar(path: Path, members: list[tuple[str, bytes]], links: dict[str, tuple[str, bytes]] | None = None) -> Path:
@@ -123,3 +123,34 @@ def test_index_lines_round_trip(tmp_path):
     index_only([t])
     assert read_index(tmp_path / "r.idx", t.stat().st_size) == entries
     assert decode_label(b" 3\n", "cls") == 3 and decode_label((5).to_bytes(4, "little"), "lbl") == 5
+
+
+@pytest.mark.parametrize("name", ["00000001.jpg", "00000001.cls", "k.json", "a" * 96 + ".jpg", "dossier/é.jpg",
+                                  "b" * 90 + "/" + "c" * 40 + ".jpg", "ünïcode-" * 20 + ".png"])
+@pytest.mark.parametrize("size", [0, 1, 511, 512, 15_000, 8**11 - 1, 8**11])
+def test_tar_headers_are_the_bytes_tarfile_writes_and_read_back(name, size):
+    """Headers are built by hand (the converter writes 3-4 an image): the same bytes as tarfile's USTAR header,
+    names over 100 bytes included (split into prefix and name), and tarfile reads them back; what USTAR cannot
+    hold (a name that does not split, 8 GiB) is refused the same way."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = size, 0, 0o444
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    try:
+        expected = info.tobuf(format=tarfile.USTAR_FORMAT, encoding="utf-8")
+    except ValueError:
+        with pytest.raises(ValueError):
+            tar_header(name, size)
+        return
+    head = tar_header(name, size)
+    assert head == expected
+    back = tarfile.TarInfo.frombuf(head, "utf-8", "surrogateescape")
+    assert (back.name, back.size, back.mode, back.mtime, back.isreg()) == (name, size, 0o444, 0, True)
+
+
+def test_a_shard_of_hand_built_members_reads_with_tarfile(tmp_path):
+    parts = [(f"{i:08d}.{ext}", bytes([i]) * (100 * i + 3)) for i in range(5) for ext in ("jpg", "cls")]
+    path = tmp_path / "x.tar"
+    path.write_bytes(b"".join(member_chunk(n, d) for n, d in parts) + b"\0" * 1024)
+    with tarfile.open(path) as tf:
+        assert [(m.name, tf.extractfile(m).read()) for m in tf.getmembers()] == parts
