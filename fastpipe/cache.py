@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from fastpipe.errors import DataError
+from fastpipe.shardformat import BLOCK, headers_match
 from fastpipe.storage import Remote
 
 # Samples closer than GAP are fetched in one request: on a store, a request costs tens of ms of latency and a
@@ -75,9 +76,10 @@ class ShardCache:
     """Cached copies of one split's remote shards. `spans[i]` holds each sample's [start, end) in shard i."""
 
     def __init__(self, remote: Remote, folder: Path, limit: int | None, rel_paths: list[str], sizes: list[int],
-                 sha256s: list[str], spans: list[np.ndarray]):
+                 sha256s: list[str], spans: list[np.ndarray], heads: list[np.ndarray]):
         self.remote, self.folder, self.limit = remote, Path(folder), limit
         self.rel, self.sizes, self.sha, self.spans = rel_paths, sizes, sha256s, spans
+        self.heads = heads  # per shard, each sample's image member: (its header's offset, its size), as indexed
         self.folder.mkdir(parents=True, exist_ok=True)
         self._open: dict[int, tuple[int, mmap.mmap, np.ndarray]] = {}
         # Two locks, so that decoding never waits behind a fetch ahead: `_lock` guards `_open` and is held only
@@ -191,14 +193,35 @@ class ShardCache:
             return
         datas = self.remote.ranges([(self.rel[i], s, e) for i, s, e, _ in parts])
         for (i, start, end, _), data in zip(parts, datas):
-            fd, spans = self._open[i][0], self.spans[i]
+            lo, hi = self._inside(i, start, end)
+            if not self._as_indexed(i, lo, hi, start, data):
+                data = self.remote.ranges([(self.rel[i], start, end)])[0]  # once more: a replace in progress
+                if not self._as_indexed(i, lo, hi, start, data):
+                    raise DataError(f"{self.remote.join(self.rel[i])} bytes {start}-{end - 1} are not what its index "
+                                    f"says (tar headers differ): the shard was replaced after dataset.json was "
+                                    f"written; re-run `fastpipe shard`, or restore it")
+            fd = self._open[i][0]
             os.pwrite(fd, data, start)
-            # every sample wholly inside the range is here now (spans are in file order); the presence bytes
-            # are written after the bytes they vouch for
-            lo, hi = np.searchsorted(spans[:, 0], start), np.searchsorted(spans[:, 1], end, side="right")
-            if hi > lo:
+            if hi > lo:  # the presence bytes are written after the bytes they vouch for
                 os.pwrite(fd, b"\1" * int(hi - lo), self.sizes[i] + int(lo))
             _touch(self.path(i))
+
+    def _inside(self, i: int, start: int, end: int) -> tuple[int, int]:
+        """The samples wholly inside bytes [start, end) of shard i: rows lo to hi (spans are in file order)."""
+        spans = self.spans[i]
+        return int(np.searchsorted(spans[:, 0], start)), int(np.searchsorted(spans[:, 1], end, side="right"))
+
+    def _as_indexed(self, i: int, lo: int, hi: int, start: int, data: bytes) -> bool:
+        """Whether the tar header before each image in the range is where the index says, of its size. The
+        sha256 check needs a whole shard, which a rank reading its part of each may never have: this catches a
+        shard replaced in the store after conversion at once, before a wrong label is read from it."""
+        heads = self.heads[i][lo:hi]
+        heads = heads[heads[:, 0] >= 0]  # a sample without an image (inspect reports it)
+        if not len(heads):
+            return True
+        pad = -start % BLOCK  # headers lie on the shard's 512-byte blocks: the range's, from its first whole one
+        blocks = np.frombuffer(data, np.uint8, offset=pad, count=(len(data) - pad) // BLOCK * BLOCK).reshape(-1, BLOCK)
+        return bool(headers_match(blocks[(heads[:, 0] - start - pad) // BLOCK], heads[:, 1]).all())
 
     def _completed(self, shards: set[int]) -> None:
         for i in shards:

@@ -67,6 +67,30 @@ def member_chunk(name: str, data: bytes) -> bytes:
     return tar_header(name, len(data)) + data + b"\0" * (-len(data) % BLOCK)
 
 
+def headers_match(blocks: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Which rows of `blocks` (512 bytes each) are tar headers of members of these sizes: a checksum that adds up
+    and the size field. Rows are the header before each sample's image, as the index places it (its data offset
+    - 512): a shard replaced after conversion fails it. Fields as fastpipe, tarfile and GNU tar write them are
+    compared at once; a row in any other encoding (spaces, a signed checksum) is read by tarfile's own rules."""
+    sums = blocks.sum(1, dtype=np.int64) - blocks[:, 148:156].sum(1, dtype=np.int64) + 8 * ord(" ")
+    ok = (blocks[:, 124:135] == _octal_digits(sizes, 11)).all(1) & (blocks[:, 148:154] == _octal_digits(sums, 6)).all(1)
+    for r in np.flatnonzero(~ok):
+        ok[r] = _header_says(bytes(blocks[r]), int(sizes[r]))
+    return ok
+
+
+def _octal_digits(values: np.ndarray, width: int) -> np.ndarray:
+    """Each value as `width` zero-padded octal digits (ASCII), one row each."""
+    return (((values[:, None] >> (3 * np.arange(width - 1, -1, -1))) & 7) + ord("0")).astype(np.uint8)
+
+
+def _header_says(block: bytes, size: int) -> bool:
+    try:
+        return tarfile.nti(block[124:136]) == size and tarfile.nti(block[148:156]) in tarfile.calc_chksums(block)
+    except (tarfile.HeaderError, ValueError):
+        return False
+
+
 def sample_bytes(parts: dict[str, bytes]) -> int:
     """Bytes a sample takes in a tar: a header block per member and its data padded to whole blocks."""
     return sum(BLOCK + -(-len(v) // BLOCK) * BLOCK for v in parts.values())
@@ -253,5 +277,5 @@ def index_path_for(tar: Path) -> Path:
     return tar.with_suffix(".idx") if tar.suffix == ".tar" else tar.with_name(tar.name + ".idx")
 
 
-__all__ = ["BLOCK", "IDX_VERSION", "IMAGE_EXTS", "LABEL_EXTS", "decode_label", "encode_label", "index_tar",
-           "parse_index", "read_index", "read_member", "sha256_file", "split_name", "write_index"]
+__all__ = ["BLOCK", "IDX_VERSION", "IMAGE_EXTS", "LABEL_EXTS", "decode_label", "encode_label", "headers_match",
+           "index_tar", "parse_index", "read_index", "read_member", "sha256_file", "split_name", "write_index"]

@@ -303,6 +303,23 @@ def test_a_store_that_keeps_failing_is_named_not_waited_for(converted, tmp_path,
     assert time.perf_counter() - t < 30
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_shard_replaced_in_the_store_is_named_not_read(converted, tmp_path, workers):
+    """A shard overwritten after conversion (same size: the manifest's byte count still holds), read by a rank of
+    four, which never has a whole shard for the sha256 check: the tar headers the index points at are not there,
+    and the epoch stops naming the shard, before a label is read from the wrong bytes."""
+    served = tmp_path / "set"
+    shutil.copytree(converted, served)
+    for tar in served.glob("train-*.tar"):
+        data = tar.read_bytes()
+        tar.write_bytes(b"\0" * 512 + data[:-512])  # every member one block later
+    with FolderServer(served) as url:
+        loader = make_loader(url, split="train", num_workers=workers, rank=0, world_size=4, cache_dir=tmp_path / "c",
+                             **KW)
+        with pytest.raises(DataError, match=r"train-\d+\.tar bytes \d+-\d+ are not what its index says.*replaced"):
+            epoch(loader)
+
+
 def test_missing_data_set_and_missing_shard_say_what(converted, tmp_path):
     with FolderServer(tmp_path) as url, pytest.raises(RemoteError, match=r"dataset.json not found"):
         make_loader(url + "/nothing", cache_dir=tmp_path / "c")

@@ -154,3 +154,28 @@ def test_a_shard_of_hand_built_members_reads_with_tarfile(tmp_path):
     path.write_bytes(b"".join(member_chunk(n, d) for n, d in parts) + b"\0" * 1024)
     with tarfile.open(path) as tf:
         assert [(m.name, tf.extractfile(m).read()) for m in tf.getmembers()] == parts
+
+
+def test_tar_headers_are_recognised_in_every_format_tarfile_writes():
+    """The check that a fetched range is the shard its index describes: the header before each image, in the
+    formats of shards fastpipe adopts (USTAR, GNU, PAX, fastpipe's own); a wrong size, a block off by one, or
+    image bytes are not headers."""
+    import numpy as np
+
+    from fastpipe.shardformat import headers_match
+
+    blocks, sizes = [], []
+    for fmt in (tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT):
+        for size in (0, 7, 15_000, 8**11 - 1):
+            info = tarfile.TarInfo("dossier/00000001.jpg")
+            info.size, info.uname, info.mode = size, "ü" if fmt == tarfile.PAX_FORMAT else "u", 0o644
+            blocks.append(info.tobuf(format=fmt)[-512:])  # the member's own header, after any PAX/GNU extension
+            sizes.append(size)
+    blocks.append(tar_header("00000002.jpg", 123))
+    sizes.append(123)
+    arr = np.frombuffer(b"".join(blocks), np.uint8).reshape(-1, 512)
+    assert headers_match(arr, np.array(sizes)).all()
+    assert not headers_match(arr, np.array(sizes) + 1).any()
+    jpeg = photo(COLORS["red"])[:512]
+    others = np.frombuffer(bytes(512) + jpeg + b"\xff" * 512, np.uint8).reshape(-1, 512)
+    assert not headers_match(others, np.array([0, 0, 0])).any()

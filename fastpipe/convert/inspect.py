@@ -18,6 +18,7 @@ from tqdm import tqdm
 from fastpipe.errors import ConfigError, DataError
 from fastpipe.manifest import Manifest, SplitInfo, load, save
 from fastpipe.shardformat import (
+    BLOCK,
     decode_label,
     entry_line,
     parse_index,
@@ -141,8 +142,10 @@ def _verify_remote_shard(m: Manifest, split: str, shard, report: Report) -> int:
     try:
         samples = parse_index(r.cat(shard.index), r.join(shard.index), shard.bytes)
         ends = np.array([max(sum(parts[e]) for e in exts if e in parts) for _, parts in samples], np.int64)
+        heads = np.array([(parts[exts[0]][0] - BLOCK, parts[exts[0]][1]) if exts[0] in parts else (-1, -1)
+                          for _, parts in samples], np.int64)  # a sample without an image is reported below
         cache = ShardCache(r, r.cache_dir, r.cache_limit, [shard.path], [shard.bytes], [shard.sha256],
-                           [tiling(ends, shard.bytes)])
+                           [tiling(ends, shard.bytes)], [heads.reshape(-1, 2)])
         cache.check(0)
         cache.ensure({0: np.arange(len(samples))})
     except DataError as e:  # missing, still failing after the retries, or not the bytes dataset.json names

@@ -20,7 +20,7 @@ import torch
 from fastpipe.errors import DataError
 from fastpipe.loaders.epoch import Piece
 from fastpipe.manifest import MANIFEST_NAME, Manifest
-from fastpipe.shardformat import decode_label, parse_index, read_index
+from fastpipe.shardformat import BLOCK, decode_label, parse_index, read_index
 
 
 class ShardError(DataError):
@@ -136,13 +136,14 @@ class ShardSet:
             self._add_entries(manifest, i, shard, entries)
             if fresh:
                 keep_index(r.cache_dir, shard.sha256, text)
-        spans = []
+        spans, heads = [], []
         for i, shard in enumerate(info.shards):
             rows = slice(self.starts[i], self.starts[i + 1])
             spans.append(tiling(np.where(self.offsets[rows] >= 0, self.offsets[rows] + self.sizes[rows], 0).max(1),
                                 shard.bytes))
+            heads.append(np.stack([self.offsets[rows, 0] - BLOCK, self.sizes[rows, 0]], 1))
         self.cache = ShardCache(r, r.cache_dir, r.cache_limit, [s.path for s in info.shards],
-                                [s.bytes for s in info.shards], [s.sha256 for s in info.shards], spans)
+                                [s.bytes for s in info.shards], [s.sha256 for s in info.shards], spans, heads)
         for i in range(len(info.shards)):
             self.cache.check(i)
 
