@@ -13,23 +13,23 @@ last sample of a shard arrives, the shard is checked against dataset.json's sha2
 for the file as it was then); a complete shard whose stamp is missing or older than the file is checked again
 before use, and one that fails is deleted and fetched again. Shards least recently used are evicted whole when
 the cache grows past its limit (a process that has one mapped keeps reading it; the disk space returns when it
-lets go). Damage to a partly fetched shard is found when it completes. Each shard's `.idx` is kept beside it.
+lets go). Damage to a partly fetched shard is found when it completes; every fetched range's tar headers are
+checked against the index as it arrives. The files themselves (locks, stamps, `.idx` copies): cachefiles.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import mmap
 import os
 import threading
-import time
 import warnings
 from pathlib import Path
 
 import numpy as np
 
+from fastpipe import cachefiles
 from fastpipe.errors import DataError
 from fastpipe.shardformat import BLOCK, headers_match
 from fastpipe.storage import Remote
@@ -107,11 +107,11 @@ class ShardCache:
         if f is None:
             path = self.path(i)
             if not path.exists():
-                _create(path, self.sizes[i] + len(self.spans[i]))
+                cachefiles.create_sparse(path, self.sizes[i] + len(self.spans[i]))
             fd = os.open(path, os.O_RDWR)
             m = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
             f = self._open[i] = (fd, m, np.frombuffer(m, np.uint8)[self.sizes[i]:])
-            _touch(path)
+            cachefiles.touch(path)
         return f
 
     def check(self, i: int) -> None:
@@ -122,7 +122,7 @@ class ShardCache:
         with self._fetching:
             with self._lock:
                 complete = self._file(i)[2].all()
-            if complete and not _stamped(path):
+            if complete and not cachefiles.stamped(path):
                 self._verify(i, refetch=False)
 
     def ensure(self, wanted: dict[int, np.ndarray]) -> dict[int, mmap.mmap]:
@@ -157,12 +157,12 @@ class ShardCache:
                 self._download(held)
             finally:
                 for i, start, end, _ in held:
-                    _unlock(self._open[i][0], start, end)
+                    cachefiles.unlock(self._open[i][0], start, end)
             todo = {}
             for i, start, end, js in contested:  # another process is fetching these: wait for it, then re-check
                 fd, _, have = self._open[i]
                 fcntl.lockf(fd, fcntl.LOCK_EX, end - start, start)
-                _unlock(fd, start, end)
+                cachefiles.unlock(fd, start, end)
                 missing = js[have[js] == 0]  # the other fetch covered a different range, or failed
                 if len(missing):
                     todo[i] = np.union1d(todo.get(i, missing), missing)
@@ -178,14 +178,14 @@ class ShardCache:
             fd, _, have = self._open[i]
             order = js[np.argsort(self.spans[i][js, 0])]
             for start, end, rows in coalesce(self.spans[i][order]):
-                if not _try_lock(fd, start, end):
+                if not cachefiles.try_lock(fd, start, end):
                     contested.append((i, start, end, order[rows]))
                     continue
                 still = order[rows][have[order[rows]] == 0]  # another process may have fetched them meanwhile
                 if len(still):
                     held.append((i, start, end, still))
                 else:
-                    _unlock(fd, start, end)
+                    cachefiles.unlock(fd, start, end)
         return held, contested
 
     def _download(self, parts: list[tuple[int, int, int, np.ndarray]]) -> None:
@@ -202,7 +202,7 @@ class ShardCache:
             os.pwrite(fd, data, start)
             if hi > lo:  # the presence bytes are written after the bytes they vouch for
                 os.pwrite(fd, b"\1" * int(hi - lo), self.sizes[i] + int(lo))
-            _touch(self.path(i))
+            cachefiles.touch(self.path(i))
 
     def _inside(self, i: int, start: int, end: int) -> tuple[int, int]:
         """The samples wholly inside bytes [start, end) of shard i: rows lo to hi (spans are in file order)."""
@@ -223,14 +223,14 @@ class ShardCache:
 
     def _completed(self, shards: set[int]) -> None:
         for i in shards:
-            if self._open[i][2].all() and not _stamped(self.path(i)):
+            if self._open[i][2].all() and not cachefiles.stamped(self.path(i)):
                 self._verify(i, refetch=True)
 
     def _verify(self, i: int, refetch: bool) -> None:
         """Check a complete shard's sha256; a bad one is deleted, and fetched again once when `refetch`."""
         m = self._open[i][1]
         if hashlib.sha256(memoryview(m)[: self.sizes[i]]).hexdigest() == self.sha[i]:
-            _stamp(self.path(i))
+            cachefiles.stamp(self.path(i))
             return
         self._drop(i)
         if not refetch:
@@ -245,14 +245,14 @@ class ShardCache:
             self._drop(i)
             raise DataError(f"{self.remote.join(self.rel[i])} does not match dataset.json (sha256 differs, fetched "
                             f"twice): the object was changed after conversion; re-run `fastpipe shard`, or restore it")
-        _stamp(self.path(i))
+        cachefiles.stamp(self.path(i))
 
     def _drop(self, i: int) -> None:
         """Forget a cached file and delete it. Its map is not closed: a reader may hold it (see `ensure`); it
         closes when the last one lets go."""
         with self._lock:
             fd, _, _ = self._open.pop(i)
-        for p in (self.path(i), _stamp_path(self.path(i))):
+        for p in (self.path(i), cachefiles.stamp_path(self.path(i))):
             p.unlink(missing_ok=True)
         os.close(fd)
 
@@ -278,7 +278,7 @@ class ShardCache:
                 continue
             if path in mine:
                 self._drop(mine[path])
-            for p in (path, _stamp_path(path), path.with_suffix(".idx")):
+            for p in (path, cachefiles.stamp_path(path), path.with_suffix(".idx")):
                 p.unlink(missing_ok=True)
             used -= nbytes
         if used > self.limit and not self._warned:
@@ -287,88 +287,4 @@ class ShardCache:
                           f"its limit of {self.limit / 1e6:,.1f} MB: raise cache_limit", stacklevel=4)
 
 
-def cached_indexes(remote: Remote, folder: Path, rels: list[str], sha256s: list[str]) -> tuple[list[bytes], list[bool]]:
-    """The shards' `.idx` files: this node's copy where it has one, the others fetched together. (texts, which
-    came from the cache.) A copy is named by its shard's sha256, like the shard: an index is a function of its
-    shard's bytes, so a changed shard never meets an old copy, and a restarted job asks the store for dataset.json
-    only. The caller checks every copy as it checks a fetched index; `keep_index` stores the fetched ones."""
-    texts: list = [None] * len(rels)
-    for i, sha in enumerate(sha256s):
-        with contextlib.suppress(OSError):
-            texts[i] = (Path(folder) / f"{sha}.idx").read_bytes()
-    todo = [i for i, t in enumerate(texts) if t is None]
-    for i, text in zip(todo, remote.cat_many([rels[i] for i in todo]) if todo else []):
-        texts[i] = text
-    fetched = set(todo)
-    return texts, [i not in fetched for i in range(len(rels))]
-
-
-def keep_index(folder: Path, sha256: str, text: bytes) -> None:
-    """Store a checked `.idx` beside its shard (atomically: ranks of a node may write it at once). Not synced: a
-    copy damaged by a crash fails its check and is fetched again. A cache that cannot be written costs a refetch."""
-    path = Path(folder) / f"{sha256}.idx"
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-    try:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(text)
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-
-
-def _create(path: Path, size: int) -> None:
-    """A sparse file of `size` zero bytes, created atomically (another process may be creating the same one)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    try:
-        os.ftruncate(fd, size)
-    finally:
-        os.close(fd)
-    try:
-        os.link(tmp, path)
-    except FileExistsError:
-        pass
-    finally:
-        tmp.unlink()
-
-
-def _try_lock(fd: int, start: int, end: int) -> bool:
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, end - start, start)
-        return True
-    except OSError:
-        return False
-
-
-def _unlock(fd: int, start: int, end: int) -> None:
-    fcntl.lockf(fd, fcntl.LOCK_UN, end - start, start)
-
-
-def _touch(path: Path) -> None:
-    """Recency for eviction is the access time, set explicitly (mounts with relatime don't): mtime is left alone,
-    since the stamp compares it."""
-    try:
-        st = path.stat()
-        os.utime(path, ns=(time.time_ns(), st.st_mtime_ns))
-    except FileNotFoundError:
-        pass
-
-
-def _stamp_path(path: Path) -> Path:
-    return path.with_suffix(".ok")
-
-
-def _stamped(path: Path) -> bool:
-    try:
-        return _stamp_path(path).read_text() == str(path.stat().st_mtime_ns)
-    except (FileNotFoundError, ValueError):
-        return False
-
-
-def _stamp(path: Path) -> None:
-    tmp = _stamp_path(path).with_name(f".{path.stem}.ok.{os.getpid()}")
-    tmp.write_text(str(path.stat().st_mtime_ns))
-    tmp.replace(_stamp_path(path))
-
-
-__all__ = ["ShardCache", "cached_indexes", "coalesce", "default_cache_dir", "keep_index", "tiling"]
+__all__ = ["ShardCache", "coalesce", "default_cache_dir", "tiling"]

@@ -14,7 +14,9 @@ PKG = Path(__file__).resolve().parent.parent / "fastpipe"
 def imports(path: Path) -> set[str]:
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module:
+        if isinstance(node, ast.ImportFrom) and node.module == "fastpipe":  # from fastpipe import cachefiles
+            found |= {f"fastpipe.{a.name}" for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
             found.add(node.module)
         elif isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
@@ -29,7 +31,8 @@ def test_layers_do_not_import_upwards_or_sideways(package, forbidden):
 
 
 def test_the_ground_floor_imports_no_feature_package():
-    for name in ("errors.py", "util.py", "options.py", "shardformat.py", "manifest.py", "storage.py", "cache.py"):
+    for name in ("errors.py", "util.py", "options.py", "shardformat.py", "manifest.py", "storage.py", "cache.py",
+                 "cachefiles.py"):
         mods = imports(PKG / name)
         assert not [m for m in mods if m.split(".")[1] in ("convert", "loaders", "train", "bench", "cli")], name
 

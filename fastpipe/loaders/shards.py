@@ -122,7 +122,8 @@ class ShardSet:
     def _check_remote(self, manifest: Manifest, info) -> None:
         """The indexes, from the node's cache or fetched (concurrently), checked as for local shards; the shards'
         bytes are fetched when read. A cached shard is checked against its sha256 before use."""
-        from fastpipe.cache import ShardCache, cached_indexes, keep_index, tiling
+        from fastpipe.cache import ShardCache, tiling
+        from fastpipe.cachefiles import cached_indexes, keep_index
 
         r = self.remote
         texts, cached = cached_indexes(r, r.cache_dir, [s.index for s in info.shards], [s.sha256 for s in info.shards])
