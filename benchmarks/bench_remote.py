@@ -39,6 +39,9 @@ def parse_args(argv=None):
     ap.add_argument("--photos", type=int, default=6400,
                     help="demo photos to generate without --shards (6400: about 6,000 train images, 100 MB, a "
                          "few seconds an epoch, so that start-up is not most of it; about 5 minutes to make)")
+    ap.add_argument("--photo-size", default="1632x1224",
+                    help="WxH of the demo photos without --shards (the shards hold them at 320 px on the short side "
+                         "either way: 640x480 makes a larger set, for epochs of many seconds, in a few minutes)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--latency", default="0,20,100", help="comma-separated ms added to each request")
     ap.add_argument("--batch-size", type=int, default=64)
@@ -54,7 +57,8 @@ def make_shards(args) -> Path:
     from fastpipe.demo import DemoConfig, make_demo_data
 
     base = Path(tempfile.mkdtemp(prefix="fp-bench-remote-"))
-    make_demo_data(DemoConfig(base / "raw", count=args.photos, width=1632, height=1224))
+    width, height = (int(v) for v in args.photo_size.lower().split("x"))
+    make_demo_data(DemoConfig(base / "raw", count=args.photos, width=width, height=height))
     shard(ShardConfig(base / "raw", base / "shards", short_side=320, max_shard_size=4 * 2**20, val_fraction=0.05))
     return base / "shards"
 
