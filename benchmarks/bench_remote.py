@@ -2,7 +2,7 @@
 
 The same shards are served by fastpipe.devserver in its own process (Range requests, `--latency` ms added to every
 request, as a store's time to first byte) and read with an empty node cache (the first epoch on a fresh machine:
-every byte comes over HTTP), then once more from the filled cache (every later epoch). Local and remote runs are
+every byte comes over HTTP), then by a new loader from the filled cache (a later run, or epoch). Local and remote runs are
 interleaved in rounds; medians with ranges. On a machine whose cores all decode, the server's and the reading
 path's CPU time (HTTP client, cache writes, sha256 checks) comes out of decoding: the table gives both, as the
 loader workers' CPU seconds beside local's and the server process's (a real store's CPU is not yours).
@@ -177,8 +177,8 @@ def plot(rows, path) -> None:
                     color="white")
     ax.set_xticks(x, [r["source"] for r in rows])
     ax.set_ylabel("images/s")
-    ax.set_title("Local disk vs loopback HTTP with added latency per request\n(empty cache; 'cached': the next "
-                 "epoch)", fontsize=10)
+    ax.set_title("Local disk vs loopback HTTP with added latency per request\n(empty cache; 'cached': a new "
+                 "loader over the filled cache)", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
