@@ -81,7 +81,7 @@ def read_regular(path: Path, limit: int) -> bytes:
         if st.st_size > limit:
             raise FileTooLarge(f"{path}: {st.st_size} bytes, more than the limit of {limit}")
         # Ask for the size it has, plus one byte to see growth: read(limit + 1) allocated a buffer of the limit
-        # (1 GB) for every file: 452 us a demo photo against 129 us (benchmarks/bench_io.py).
+        # (1 GB) for every file: 489 us a demo photo against 127 us (benchmarks/bench_io.py).
         data = f.read(st.st_size + 1)
         if len(data) > st.st_size:  # grew while reading
             data += f.read(limit + 1 - len(data))
