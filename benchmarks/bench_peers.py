@@ -18,6 +18,7 @@ import gc
 import json
 import multiprocessing
 import random
+import resource
 import shutil
 import statistics
 import tempfile
@@ -119,9 +120,12 @@ def conversion(raw: Path, items, base: Path, args) -> dict:
     def timed(name):
         out = base / f"conv-{name}"
         shutil.rmtree(out, ignore_errors=True)
+        cpu = _cpu()
         t = time.perf_counter()
         tools[name](out)
-        return {"img_per_s": len(items) / (time.perf_counter() - t)}
+        rate = len(items) / (time.perf_counter() - t)
+        main, workers = (b - a for a, b in zip(cpu, _cpu()))
+        return {"img_per_s": rate, "main_cpu_s": main, "workers_cpu_s": workers}
 
     def bound():  # one process, the same per-image work, no writing: measured in every round, as drift is large
         t = time.perf_counter()
@@ -133,13 +137,22 @@ def conversion(raw: Path, items, base: Path, args) -> dict:
     runs = interleaved({**{k: (lambda k=k: timed(k)) for k in tools}, BOUND: bound}, args.convert_rounds)
     bounds = runs.pop(BOUND)
     res = {k: summary([r["img_per_s"] for r in v]) for k, v in runs.items()}
+    # Where the CPU went: on cores that all convert, the calling process's CPU comes out of the workers' time
+    cpu = {k: {part: summary([r[part] for r in v]) for part in ("main_cpu_s", "workers_cpu_s")}
+           for k, v in runs.items()}
     # Ratios of the same round's runs, then their median (drift cancels within a round).
     fp = runs["fastpipe"]
-    return {"rates": res, "bound_per_process": summary([b["img_per_s"] for b in bounds]),
+    return {"rates": res, "cpu_s": cpu, "bound_per_process": summary([b["img_per_s"] for b in bounds]),
             "fastpipe_vs_bound": summary([a["img_per_s"] / (args.workers * b["img_per_s"])
                                           for a, b in zip(fp, bounds)]),
             **{f"fastpipe_vs_{k}": summary([a["img_per_s"] / b["img_per_s"] for a, b in zip(fp, runs[k])])
                for k in ("litdata", "mosaic")}}
+
+
+def _cpu() -> tuple[float, float]:
+    """CPU seconds of this process and of its ended children (the tools' worker processes, once joined)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
 
 
 def overheads(items) -> dict:
@@ -428,7 +441,8 @@ def table(res: dict) -> str:
     c = res["conversion"]
     lines = [f"{res['photos']} photos, {res['workers']} workers (median, range)", "",
              "conversion, images/s in the call:"]
-    lines += [f"  {k:<12} {_r(v, '.1f')}" for k, v in c["rates"].items()]
+    lines += [f"  {k:<12} {_r(v, '.1f')}   CPU s, calling process {c['cpu_s'][k]['main_cpu_s']['median']:.2f}, "
+              f"workers {c['cpu_s'][k]['workers_cpu_s']['median']:.2f}" for k, v in c["rates"].items()]
     lines += [f"  fastpipe ÷ litdata {_r(c['fastpipe_vs_litdata'])}, ÷ mosaic {_r(c['fastpipe_vs_mosaic'])}, "
               f"÷ (workers × one-process bound {_r(c['bound_per_process'], '.1f')}) {_r(c['fastpipe_vs_bound'])} "
               f"(paired rounds); mean/std {c['mean_std_share']:.1%} and hashing {c['hash_share']:.1%} of an "

@@ -2,8 +2,8 @@
 
 The same shards are served by fastpipe.devserver in its own process (Range requests, `--latency` ms added to every
 request, as a store's time to first byte) and read with an empty node cache (the first epoch on a fresh machine:
-every byte comes over HTTP), then by a new loader from the filled cache (a later run, or epoch). Local and remote runs are
-interleaved in rounds; medians with ranges. On a machine whose cores all decode, the server's and the reading
+every byte comes over HTTP), then by a new loader from the filled cache (a later run, or epoch). Local and remote
+runs are interleaved in rounds; medians with ranges. On a machine whose cores all decode, the server's and the reading
 path's CPU time (HTTP client, cache writes, sha256 checks) comes out of decoding: the table gives both, as the
 loader workers' CPU seconds beside local's and the server process's (a real store's CPU is not yours).
 

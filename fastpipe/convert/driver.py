@@ -194,8 +194,7 @@ class _SplitRun:
             self.rejected.append({"path": sample.path, "reason": result.reason, "detail": result.detail})
         else:
             self.writer.write(f"{sample.pos:08d}", _sample_parts(result, sample, classes))
-            self.stats = self.stats + Stats(result.size[0] * result.size[1], result.pixel_sum,
-                                            result.pixel_sumsq)
+            self.stats = self.stats + Stats(result.size[0] * result.size[1], result.pixel_sum, result.pixel_sumsq)
             for k in sample.label if isinstance(sample.label, tuple) else (sample.label,):
                 self.counts[k] += 1  # multi-label: positives per class
         self.pos += 1
@@ -239,7 +238,8 @@ def _is_hex(text: str) -> bool:
 def _convert_split(name, samples, root: Path, run: _SplitRun, classes, pool) -> int:
     todo = samples[run.pos:]
     paths = [str(root / s.path) for s in todo]
-    results = pool.imap(_convert_one, paths, chunksize=2) if pool else map(_convert_one, paths)
+    # 4 a task: fewer result messages, each of which sets Pool's worker-handler thread spinning (CPU off the workers)
+    results = pool.imap(_convert_one, paths, chunksize=4) if pool else map(_convert_one, paths)
     try:
         for result in tqdm(results, total=len(todo), desc=f"converting {name}", unit="img", mininterval=0.5):
             run.add(result, classes)
