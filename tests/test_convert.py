@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -214,6 +215,56 @@ def test_killed_run_resumes_to_identical_bytes(tmp_path):
     assert 0 < rerun.converted_now < 150
     assert tree_bytes(out) == tree_bytes(clean)
     assert not list(out.glob("*.tmp")) and not list(out.glob(".fastpipe-progress*"))
+
+
+def _dies_on_the_victim(path: str):
+    """The converter's per-image step, killed by the system on one photo (runs in the forked worker processes)."""
+    from fastpipe.convert.images import process
+    from fastpipe.util import read_regular
+
+    if path == os.environ["FASTPIPE_TEST_VICTIM"]:  # the environment: workers may import this module afresh
+        os.kill(os.getpid(), signal.SIGKILL)
+    return process(read_regular(Path(path), 1 << 30), _worker_settings())
+
+
+def _worker_settings():
+    from fastpipe.convert import driver
+
+    return driver._SETTINGS[0]
+
+
+def test_a_worker_that_dies_ends_the_run_naming_its_files_and_the_rerun_resumes(tmp_path, monkeypatch):
+    """A conversion worker killed mid-run (the out-of-memory killer, a crash in a decoder): multiprocessing.Pool
+    waited for its task forever. Now the run stops at once with the files that were in flight, and the same
+    command resumes to the bytes of an uninterrupted run."""
+    from fastpipe.convert import driver
+    from fastpipe.convert.workers import WorkerDied
+
+    src = make_folder(tmp_path / "src", {"red": 30, "green": 30, "blue": 30}, size=(160, 120))
+    kw = dict(short_side=48, max_shard_size=64 * 1024, workers=2)
+    shard(cfg(src, tmp_path / "clean", **kw))
+    victim = str(src / "green" / "img_017.jpg")
+    monkeypatch.setenv("FASTPIPE_TEST_VICTIM", victim)
+    convert = driver._convert_one
+    monkeypatch.setattr(driver, "_convert_one", _dies_on_the_victim)
+    out = tmp_path / "out"
+    def hung(*_):
+        raise TimeoutError("the conversion hung")
+
+    before = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(120)
+    try:
+        with pytest.raises(WorkerDied, match="worker process died") as died:
+            shard(cfg(src, out, **kw))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+    assert victim in str(died.value)
+    assert not (out / "dataset.json").exists()
+    monkeypatch.setattr(driver, "_convert_one", convert)
+    rerun = shard(cfg(src, out, **kw))
+    assert rerun.converted_now < 90 or not list(out.glob("train-*.tar"))  # resumed, when a shard was finished
+    assert tree_bytes(out) == tree_bytes(tmp_path / "clean")
 
 
 def test_parts_then_merge_equal_one_run(tmp_path):

@@ -19,6 +19,7 @@ from fastpipe import __version__
 from fastpipe.convert import images, outputs, plan, previews, publish
 from fastpipe.convert.journal import Journal, SplitProgress, journal_name
 from fastpipe.convert.sources import Rejection, discover
+from fastpipe.convert.workers import Workers
 from fastpipe.convert.writer import ShardWriter
 from fastpipe.errors import ConfigError
 from fastpipe.manifest import Components, Manifest, SplitInfo, Stats
@@ -30,7 +31,6 @@ from fastpipe.util import (
     FolderLock,
     NotRegularFile,
     local_path,
-    pool_context,
     read_regular,
     usable_cores,
     write_json_atomic,
@@ -205,9 +205,8 @@ class _SplitRun:
         self._closed(None, done=True)  # rejections after it, and the mark that the split is complete
 
 
-def _make_pool(workers: int, cfg: ShardConfig):
-    return pool_context().Pool(workers, initializer=_init_worker,
-                                initargs=(cfg.image_settings(), cfg.max_file_size, True))
+def _make_pool(workers: int, cfg: ShardConfig) -> Workers:
+    return Workers(workers, _init_worker, (cfg.image_settings(), cfg.max_file_size, True))
 
 
 def _guard(cfg: ShardConfig, fingerprints: tuple[str, str], journal: Journal) -> bool:
@@ -238,7 +237,7 @@ def _is_hex(text: str) -> bool:
 def _convert_split(name, samples, root: Path, run: _SplitRun, classes, pool) -> int:
     todo = samples[run.pos:]
     paths = [str(root / s.path) for s in todo]
-    # 4 a task: fewer result messages, each of which sets Pool's worker-handler thread spinning (CPU off the workers)
+    # 4 a task: fewer messages per image; more would leave one worker idle longer at the end
     results = pool.imap(_convert_one, paths, chunksize=4) if pool else map(_convert_one, paths)
     try:
         for result in tqdm(results, total=len(todo), desc=f"converting {name}", unit="img", mininterval=0.5):

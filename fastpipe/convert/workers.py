@@ -1,0 +1,83 @@
+"""The converter's worker processes: an ordered map over them that ends, with the files it was converting, when a
+worker dies.
+
+multiprocessing.Pool replaces a worker that dies (the out-of-memory killer on a huge photo, a crash inside an image
+decoder, `kill -9`) and waits forever for the task it held: a conversion hung there, at 38 % of the bar, until
+interrupted. concurrent.futures' pool instead fails every pending task (BrokenProcessPool); `imap` says so with the
+files that were in flight, and the journal keeps every shard finished before, so the same command resumes.
+"""
+
+from __future__ import annotations
+
+import collections
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+from fastpipe.errors import FastpipeError
+from fastpipe.util import pool_context
+
+AHEAD = 2  # tasks queued per worker: one running, one ready, so that a worker never waits for the next
+
+
+class WorkerDied(FastpipeError, RuntimeError):
+    """A worker process ended without finishing its task."""
+
+
+class Workers:
+    """`count` processes, each set up by `initializer(*initargs)`; fork where safe (util.pool_context)."""
+
+    def __init__(self, count: int, initializer, initargs: tuple):
+        self.count = count
+        self.executor = ProcessPoolExecutor(count, mp_context=pool_context(), initializer=initializer,
+                                            initargs=initargs)
+        self.executor.submit(int)  # the processes start now (while the main process hashes), not at the first image
+
+    def imap(self, fn, items, chunksize: int = 1):
+        """fn(item) for each item, in order, `chunksize` items a task; WorkerDied if a worker process dies."""
+        items = list(items)
+        chunks = iter([items[k : k + chunksize] for k in range(0, len(items), chunksize)])
+        pending: collections.deque = collections.deque()
+
+        def submit() -> None:
+            chunk = next(chunks, None)
+            if chunk is not None:
+                pending.append((chunk, self.executor.submit(_each, fn, chunk)))
+
+        for _ in range(AHEAD * self.count):
+            submit()
+        while pending:
+            future = pending[0][1]
+            try:
+                results = future.result()
+            except BrokenProcessPool as e:
+                raise WorkerDied(_died([c for c, _ in pending])) from e
+            pending.popleft()
+            submit()
+            yield from results
+
+    def terminate(self) -> None:
+        """Stop at once: queued tasks dropped, the processes ended (Ctrl-C, an error in the main process)."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        stop = getattr(self.executor, "terminate_workers", None)  # Python 3.14; before, its own process table
+        if stop is not None:
+            stop()
+            return
+        for p in list((getattr(self.executor, "_processes", None) or {}).values()):
+            p.terminate()
+            p.join(5)
+
+
+def _each(fn, chunk: list) -> list:
+    return [fn(item) for item in chunk]
+
+
+def _died(chunks: list[list]) -> str:
+    files = [str(x) for c in chunks for x in c if isinstance(x, str)]
+    shown = ", ".join(files[:16]) + (f" and {len(files) - 16} more" if len(files) > 16 else "")
+    return (f"a conversion worker process died (killed by the system, e.g. out of memory on a very large photo, or "
+            f"crashed inside an image decoder) while converting one of: {shown}. The shards finished before are "
+            f"kept: run the same command again to resume; if it dies at the same place, convert with more memory "
+            f"or fewer --workers, or move these files aside")
+
+
+__all__ = ["WorkerDied", "Workers"]
