@@ -57,13 +57,15 @@ class Workers:
 
     def terminate(self) -> None:
         """Stop at once: queued tasks dropped, the processes ended (Ctrl-C, an error in the main process)."""
-        self.executor.shutdown(wait=False, cancel_futures=True)
-        stop = getattr(self.executor, "terminate_workers", None)  # Python 3.14; before, its own process table
+        stop = getattr(self.executor, "terminate_workers", None)  # Python 3.14
         if stop is not None:
             stop()
             return
-        for p in list((getattr(self.executor, "_processes", None) or {}).values()):
+        processes = list((getattr(self.executor, "_processes", None) or {}).values())  # shutdown forgets them
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        for p in processes:
             p.terminate()
+        for p in processes:
             p.join(5)
 
 
