@@ -70,6 +70,28 @@ class FileTooLarge(DataError):
     """A file larger than the limit the caller set."""
 
 
+@contextlib.contextmanager
+def signals_deferred():
+    """Ctrl-C and SIGTERM received inside the block take effect when it ends, so that what it does (closing a
+    shard: its bytes synced, its index, its final name, its journal line) is done whole or not at all. Only the
+    main thread can change handlers; elsewhere the block runs as it is."""
+    import signal
+
+    kinds = (signal.SIGINT, signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or None in map(signal.getsignal, kinds):
+        yield  # None: a handler set outside Python, which could not be put back
+        return
+    got: list[int] = []
+    before = {s: signal.signal(s, lambda n, _frame: got.append(n)) for s in kinds}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+        for n in got[:1]:
+            signal.raise_signal(n)  # to the handler it would have met
+
+
 def read_regular(path: Path, limit: int) -> bytes:
     """The bytes of a regular file of at most `limit` bytes. FIFOs, devices and sockets (a link to /dev/zero, a
     named pipe that would block forever) and larger files raise OSError/DataError instead of hanging or

@@ -3,6 +3,7 @@ errors in one line, Ctrl-C and SIGTERM ending with what to do next."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -93,18 +94,25 @@ def test_a_bug_keeps_its_traceback_a_user_error_does_not(tmp_path):
     assert r.returncode == 2 and "fastpipe shard" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("sig,code,word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143,
                                                                                  "terminated (SIGTERM)")])
-def test_shard_interrupted_says_how_to_continue(tmp_path, sig, code, word):
+def test_shard_interrupted_says_how_to_continue(tmp_path, sig, code, word, workers):
+    """The signal goes to the whole process group, as a terminal's Ctrl-C or a `kill -- -PGID` does: the run says
+    how to continue, and no worker process outlives it."""
     src = make_folder(tmp_path / "src", {"red": 40, "green": 40}, size=(900, 700))
     out = tmp_path / "out"
-    p = subprocess.Popen([sys.executable, "-m", "fastpipe", "shard", str(src), str(out), "--workers", "0",
-                          "--max-shard-size", "64KB"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-m", "fastpipe", "shard", str(src), str(out), "--workers", str(workers),
+                          "--max-shard-size", "64KB"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
     deadline = time.time() + 60
     while not list(out.glob("train-*.tar")) and time.time() < deadline and p.poll() is None:
         time.sleep(0.02)
-    p.send_signal(sig)
+    os.killpg(p.pid, sig)
     _, err = p.communicate(timeout=60)
     assert p.returncode == code, err[-2000:]
     assert f"fastpipe shard: {word}; rerun the same command to continue" in err and "Traceback" not in err
     assert not list(Path(out).glob("*.tmp"))
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):  # nothing left in the group
+        os.killpg(p.pid, 0)

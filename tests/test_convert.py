@@ -267,6 +267,32 @@ def test_a_worker_that_dies_ends_the_run_naming_its_files_and_the_rerun_resumes(
     assert tree_bytes(out) == tree_bytes(tmp_path / "clean")
 
 
+def test_ctrl_c_while_a_shard_closes_leaves_a_folder_the_rerun_resumes(tmp_path, monkeypatch):
+    """Ctrl-C between a shard's index and its final name left an index no journal line listed, and the rerun
+    refused it as a file fastpipe did not write. Now a shard closes whole (synced, indexed, named, journaled),
+    then the interrupt stops the run, and the rerun resumes to the bytes of an uninterrupted run."""
+    src = make_folder(tmp_path / "src", {"red": 12, "green": 12}, size=(160, 120))
+    kw = dict(max_shard_size=64 * 1024, val_fraction=0)
+    shard(cfg(src, tmp_path / "clean", **kw))
+    real, sent = os.replace, []
+
+    def replace(a, b):  # the first shard's rename: Ctrl-C arrives just before it
+        if str(a).endswith(".tar.tmp") and not sent:
+            sent.append(a)
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(a, b)
+
+    monkeypatch.setattr(os, "replace", replace)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        shard(cfg(src, out, **kw))
+    monkeypatch.setattr(os, "replace", real)
+    assert sent and not list(out.glob("*.tmp"))
+    rerun = shard(cfg(src, out, **kw))
+    assert 0 < rerun.converted_now < 24
+    assert tree_bytes(out) == tree_bytes(tmp_path / "clean")
+
+
 def test_parts_then_merge_equal_one_run(tmp_path):
     src = make_folder(tmp_path / "src", {"red": 10, "green": 7, "blue": 5})
     elsewhere = shutil.copytree(src, tmp_path / "node-2" / "scratch")  # a node with the photos at another path

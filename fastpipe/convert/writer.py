@@ -13,6 +13,7 @@ from pathlib import Path
 
 from fastpipe.manifest import ShardInfo
 from fastpipe.shardformat import BLOCK, index_line, member_chunk, sample_bytes, write_index
+from fastpipe.util import signals_deferred
 
 
 @dataclass
@@ -53,7 +54,8 @@ class ShardWriter:
             self.finish()
             cur = None
         if cur is None:
-            cur = self.current = self._start()
+            with signals_deferred():  # its .tmp file exists only once abort() can find it
+                cur = self.current = self._start()
         fields = []
         for ext, data in parts.items():
             name = f"{key}.{ext}"
@@ -66,6 +68,10 @@ class ShardWriter:
         cur.samples += 1
 
     def finish(self) -> ShardInfo | None:
+        with signals_deferred():  # Ctrl-C while a shard closes: after it is closed and journaled, not half way
+            return self._finish()
+
+    def _finish(self) -> ShardInfo | None:
         cur, self.current = self.current, None
         if cur is None:
             return None
