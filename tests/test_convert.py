@@ -267,6 +267,26 @@ def test_a_worker_that_dies_ends_the_run_naming_its_files_and_the_rerun_resumes(
     assert tree_bytes(out) == tree_bytes(tmp_path / "clean")
 
 
+def _dies_on_three(x: int) -> int:
+    if x == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return x * 10
+
+
+def test_the_worker_pool_gives_results_in_order_and_says_when_a_worker_dies():
+    """The converter's pool on its own (it also draws the previews, whose tasks are not file names): results in
+    order across chunks and workers, and a dead worker named as such, not a hang."""
+    from fastpipe.convert.workers import WorkerDied, Workers
+
+    pool = Workers(2, int, ())
+    try:
+        assert list(pool.imap(abs, range(-9, 0), chunksize=2)) == list(range(9, 0, -1))
+        with pytest.raises(WorkerDied, match=r"died .* with \d+ tasks in flight"):
+            list(pool.imap(_dies_on_three, range(10), chunksize=1))
+    finally:
+        pool.terminate()
+
+
 def test_ctrl_c_while_a_shard_closes_leaves_a_folder_the_rerun_resumes(tmp_path, monkeypatch):
     """Ctrl-C between a shard's index and its final name left an index no journal line listed, and the rerun
     refused it as a file fastpipe did not write. Now a shard closes whole (synced, indexed, named, journaled),

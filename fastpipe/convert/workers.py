@@ -74,12 +74,15 @@ def _each(fn, chunk: list) -> list:
 
 
 def _died(chunks: list[list]) -> str:
-    files = [str(x) for c in chunks for x in c if isinstance(x, str)]
+    """The message: the files in flight when the tasks are files (converting), else how many (previews)."""
+    items = [x for c in chunks for x in c]
+    files = [x for x in items if isinstance(x, str)]
     shown = ", ".join(files[:16]) + (f" and {len(files) - 16} more" if len(files) > 16 else "")
+    what = f"while converting one of: {shown}" if files else f"with {len(items)} tasks in flight"
     return (f"a conversion worker process died (killed by the system, e.g. out of memory on a very large photo, or "
-            f"crashed inside an image decoder) while converting one of: {shown}. The shards finished before are "
-            f"kept: run the same command again to resume; if it dies at the same place, convert with more memory "
-            f"or fewer --workers, or move these files aside")
+            f"crashed inside an image decoder) {what}. The shards finished before are kept: run the same command "
+            f"again to resume; if it dies at the same place, convert with more memory or fewer --workers, or move "
+            f"these files aside")
 
 
 __all__ = ["WorkerDied", "Workers"]
