@@ -168,8 +168,8 @@ def check_shm() -> Check:
 
 
 def check_remote() -> list[Check]:
-    """Which object stores this environment can read, and whether the S3 endpoint in the environment answers."""
-    from fastpipe.storage import installed_protocols
+    """Which object stores this environment can read, and whether the store endpoints it names answer."""
+    from fastpipe.stores import installed_protocols
 
     have = installed_protocols()
     found = ", ".join(f"{p}://" for p, ok in have.items() if ok) or "none"
@@ -178,25 +178,36 @@ def check_remote() -> list[Check]:
                     f"for {', '.join(f'{p}://' for p in missing)}: pip install "
                     + " ".join({"s3": "s3fs", "gs": "gcsfs", "az": "adlfs", "http": "aiohttp"}[p] for p in missing)
                     if missing else "")]
-    endpoint = os.environ.get("AWS_ENDPOINT_URL")
-    if endpoint:
-        checks.append(_probe_endpoint(endpoint))
-    return checks
+    return checks + [_probe_endpoint(*e) for e in _endpoints()]
 
 
-def _probe_endpoint(endpoint: str) -> Check:
-    """An S3-compatible endpoint (MinIO, Ceph) answers any HTTP request, even a refused one: that is enough."""
+def _endpoints() -> list[tuple[str, str, str]]:
+    """(variable, endpoint, scheme) for each store endpoint the environment names: an S3-compatible store, a GCS
+    emulator, an Azure connection string's blob endpoint (only that part of it: the string holds the key)."""
+    found = []
+    if os.environ.get("AWS_ENDPOINT_URL"):
+        found.append(("AWS_ENDPOINT_URL", os.environ["AWS_ENDPOINT_URL"], "s3://"))
+    if host := os.environ.get("STORAGE_EMULATOR_HOST"):
+        found.append(("STORAGE_EMULATOR_HOST", host if "://" in host else f"http://{host}", "gs://"))
+    parts = dict(p.split("=", 1) for p in os.environ.get("AZURE_STORAGE_CONNECTION_STRING", "").split(";") if "=" in p)
+    if "BlobEndpoint" in parts:
+        found.append(("AZURE_STORAGE_CONNECTION_STRING", parts["BlobEndpoint"], "az://"))
+    return found
+
+
+def _probe_endpoint(variable: str, endpoint: str, scheme: str) -> Check:
+    """A store's endpoint answers any HTTP request, even a refused one: that is enough."""
     import urllib.error
     import urllib.request
 
     try:
         urllib.request.urlopen(endpoint, timeout=5)
     except urllib.error.HTTPError as e:  # 403 without credentials: the server is there
-        return Check("OK", "AWS_ENDPOINT_URL", f"{endpoint} answers (HTTP {e.code})")
+        return Check("OK", variable, f"{endpoint} answers (HTTP {e.code})")
     except (urllib.error.URLError, OSError) as e:
-        return Check("WARN", "AWS_ENDPOINT_URL", f"{endpoint} does not answer ({e})",
-                     "check the address and that the store is running; s3:// URLs go to it")
-    return Check("OK", "AWS_ENDPOINT_URL", f"{endpoint} answers")
+        return Check("WARN", variable, f"{endpoint} does not answer ({e})",
+                     f"check the address and that the store is running; {scheme} URLs go to it")
+    return Check("OK", variable, f"{endpoint} answers")
 
 
 def collect() -> list[Check]:

@@ -7,14 +7,13 @@ short read taken for data. Credentials and endpoints come from `storage_options`
 (`AWS_*` including `AWS_ENDPOINT_URL`, `GOOGLE_APPLICATION_CREDENTIALS`, `AZURE_STORAGE_*`); `storage_options` is
 held in memory only, never written or printed (`repr` shows the URL).
 
-The store's own clients retry too (botocore, s3fs): those retries are switched off where we can, so that one
-policy applies, it is bounded in time, and `loader.stats` can count it.
+The store's own clients retry too (botocore, s3fs, gcsfs, the Azure SDK): stores.py switches those retries off
+where it makes a client, so that one policy applies, it is bounded in time, and `loader.stats` can count it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import os
 import random
 import threading
@@ -22,12 +21,11 @@ import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
-from fastpipe.errors import ConfigError, DataError, MissingDependency
+from fastpipe.errors import ConfigError, DataError
+from fastpipe.stores import open_fs, store_environment
 from fastpipe.util import URL_RE
 
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}  # 409 is S3's "operation aborted, try again"
-PROTOCOL_EXTRAS = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs", "abfss": "adlfs",
-                   "http": "aiohttp", "https": "aiohttp"}
 
 
 # The filesystem clients made in this process, by id: fsspec clients of one URL compare equal, so a WeakSet
@@ -103,15 +101,31 @@ def transient(e: BaseException) -> bool:
     status = _status(e)
     if status is not None:
         return status in RETRY_STATUS
-    if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+    if refused(e) or isinstance(e, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
         return False
     if isinstance(e, (TimeoutError, asyncio.TimeoutError, ConnectionError, OSError)):
         return True
     return type(e).__module__.split(".")[0] in ("aiohttp", "botocore", "urllib3", "requests", "google", "azure")
 
 
+def refused(e: BaseException) -> bool:
+    """The store said no to these credentials: retrying will not change its mind."""
+    if isinstance(e, PermissionError) or _status(e) in (401, 403):
+        return True
+    return type(e) is OSError and str(e).startswith("Forbidden")  # gcsfs's 403 is a plain OSError
+
+
+def _brief(e: BaseException) -> str:
+    """The first line of a store's error (the Azure SDK's go on with request ids and headers)."""
+    return (str(e).strip().splitlines() or [""])[0][:200]
+
+
 def _status(e: BaseException) -> int | None:
     status = getattr(e, "status", None)  # aiohttp
+    if status is None:
+        status = getattr(e, "status_code", None)  # the Azure SDK (HttpResponseError)
+    if status is None and type(e).__module__.startswith("gcsfs"):
+        status = getattr(e, "code", None)  # gcsfs.retry.HttpError
     response = getattr(e, "response", None)  # botocore
     if status is None and isinstance(response, dict):
         status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
@@ -135,9 +149,12 @@ class Remote:
         self.cache_dir, self.cache_limit = cache_dir, cache_limit  # where this node keeps its shards (cache.py)
         self.counters = Counters()
         self._local = None  # (pid, fs, root path, pool): rebuilt in each process (workers fork or spawn)
+        # Workers forked from a server process (fastpipe's once DALI is loaded: loaders/stream.py) have that
+        # server's environment, from whenever it started: they take the store's variables as they are now.
+        self.env, self.pid = store_environment(), os.getpid()
 
     def __repr__(self) -> str:
-        return f"Remote({self.url!r})"  # never the options: they may hold keys
+        return f"Remote({self.url!r})"  # never the options or the environment: they may hold keys
 
     def __getstate__(self):
         return {**self.__dict__, "_local": None}
@@ -150,6 +167,8 @@ class Remote:
         """This process's client: a forked child makes its own (the parent's is bound to the parent's event loop
         and connections; see _after_fork_in_child)."""
         if self._local is None or self._local[0] != os.getpid():
+            if os.getpid() != self.pid:
+                os.environ.update(self.env)
             fs, root = open_fs(self.url, self.options, self.timeout)
             _MADE[id(fs)] = fs
             self._local = (os.getpid(), fs, root, ThreadPoolExecutor(self.inflight, thread_name_prefix="fastpipe-io"))
@@ -269,56 +288,16 @@ class Remote:
             raise RemoteError(f"{url}: this store does not take writes through fsspec ({self.protocol}://)") from e
         if isinstance(e, FileNotFoundError):
             raise RemoteError(f"{url} not found: check the URL, or that the upload finished") from e
-        if isinstance(e, PermissionError):
-            raise RemoteError(f"{url}: access refused ({e}); check the credentials (storage_options or the "
+        if refused(e):
+            raise RemoteError(f"{url}: access refused ({_brief(e)}); check the credentials (storage_options or the "
                               f"AWS_/GOOGLE_/AZURE_ environment)") from e
         if not transient(e) or attempt == self.attempts:
             kind = f"still failing after {attempt} attempts" if transient(e) else "failed"
-            raise RemoteError(f"reading {where} {kind}: {type(e).__name__}: {str(e)[:200]}") from e
+            raise RemoteError(f"reading {where} {kind}: {type(e).__name__}: {_brief(e)}") from e
 
     def _backoff(self, attempt: int) -> None:
         # full jitter: many workers retrying a throttled store must not retry in step
         time.sleep(random.uniform(0, min(10.0, self.base_delay * 2 ** (attempt - 1))))
 
 
-def open_fs(url: str, options: dict, timeout: float):
-    """The fsspec filesystem and root path for `url`, with bounded timeouts and the client's own retries off."""
-    try:
-        import fsspec.core
-    except ImportError as e:
-        raise MissingDependency("remote data sets need fsspec: pip install fsspec") from e
-    protocol = url.split("://", 1)[0].lower()
-    opts = copy.deepcopy(options)  # the defaults below go into nested dicts: not into the caller's
-    if protocol in ("http", "https"):
-        import aiohttp
-
-        opts.setdefault("client_kwargs", {}).setdefault(
-            "timeout", aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout))
-    elif protocol in ("s3", "s3a"):
-        cfg = opts.setdefault("config_kwargs", {})
-        cfg.setdefault("connect_timeout", timeout)
-        cfg.setdefault("read_timeout", timeout)
-        cfg.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
-        if os.environ.get("AWS_ENDPOINT_URL") and "endpoint_url" not in opts.get("client_kwargs", {}):
-            opts.setdefault("client_kwargs", {})["endpoint_url"] = os.environ["AWS_ENDPOINT_URL"]
-    try:
-        fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, **opts)  # a client of our own (see _client)
-        if hasattr(fs, "retries") and protocol in ("s3", "s3a"):
-            fs.retries = 1  # s3fs's own retry loop; ours counts and bounds them
-        return fs, root
-    except ImportError as e:
-        extra = PROTOCOL_EXTRAS.get(protocol, f"the fsspec implementation for {protocol}://")
-        raise MissingDependency(f"{url}: reading {protocol}:// needs {extra}: pip install {extra}") from e
-    except ValueError as e:
-        raise ConfigError(f"{url}: {e}") from e
-
-
-def installed_protocols() -> dict[str, bool]:
-    """Which remote protocols this environment can read (for `fastpipe doctor`)."""
-    import importlib.util
-
-    return {p: importlib.util.find_spec(m) is not None
-            for p, m in (("s3", "s3fs"), ("gs", "gcsfs"), ("az", "adlfs"), ("http", "aiohttp"))}
-
-
-__all__ = ["Counters", "Remote", "RemoteError", "installed_protocols", "is_url", "open_fs", "transient"]
+__all__ = ["Counters", "Remote", "RemoteError", "is_url", "transient"]

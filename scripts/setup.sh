@@ -30,6 +30,12 @@ case "$major" in
   *)  pip install -q -e ".[dali-cu13]" || echo "WARN: DALI (cuda130) not installed; dali tests will skip" ;;
 esac
 
+# Azurite, Microsoft's Azure Storage server, for tests/test_stores.py (a Node.js program: npm, not pip).
+if command -v npm >/dev/null && [ ! -x .tools/azurite/node_modules/.bin/azurite-blob ]; then
+  npm install --prefix .tools/azurite --no-audit --no-fund --silent azurite@3 \
+    || echo "WARN: Azurite not installed; the Azure tests will skip"
+fi
+
 if [ "$SIMD" = 1 ]; then
   # pillow-simd replaces Pillow in the same PIL/ folder and builds from source (~60 s). The format headers
   # keep WebP/TIFF/ICC photos readable; --no-deps --force-reinstall last, so nothing puts Pillow back.

@@ -74,6 +74,23 @@ def converted(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture
+def quick_retries(monkeypatch):
+    """Store tests: a stalled request fails in 2 s, and faults get 8 attempts."""
+    monkeypatch.setenv("FASTPIPE_REMOTE_ATTEMPTS", "8")
+    monkeypatch.setenv("FASTPIPE_REMOTE_TIMEOUT", "2")
+
+
+def epoch(loader):
+    """(keys, labels, images) of one epoch of a loader made `with_keys=True`, in order."""
+    keys, labels, images = [], [], []
+    for x, y, k in loader:
+        keys += [f"{s.shard}/{s.key}" for s in k]
+        labels += y.tolist()
+        images.append(x)
+    return keys, labels, torch.cat(images)
+
+
 @pytest.fixture(autouse=True)
 def _quiet_env(monkeypatch):
     monkeypatch.setenv("PYTHONHASHSEED", os.environ.get("PYTHONHASHSEED", "0"))

@@ -18,6 +18,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from conftest import epoch
 
 from fastpipe.devserver import Faults, FolderServer
 from fastpipe.errors import DataError
@@ -29,20 +30,7 @@ REAL = ["torch", "nvjpeg", pytest.param("dali", marks=pytest.mark.dali)]
 KW = dict(batch_size=8, image_size=32, device="cpu", with_keys=True)
 
 
-@pytest.fixture(autouse=True)
-def _quick_retries(monkeypatch):
-    monkeypatch.setenv("FASTPIPE_REMOTE_ATTEMPTS", "8")
-    monkeypatch.setenv("FASTPIPE_REMOTE_TIMEOUT", "2")
-
-
-def epoch(loader):
-    """(keys, labels, images) of one epoch, in order."""
-    keys, labels, images = [], [], []
-    for x, y, k in loader:
-        keys += [f"{s.shard}/{s.key}" for s in k]
-        labels += y.tolist()
-        images.append(x)
-    return keys, labels, torch.cat(images)
+pytestmark = pytest.mark.usefixtures("quick_retries")
 
 
 def disk_use(folder) -> int:
@@ -334,14 +322,11 @@ def test_missing_data_set_and_missing_shard_say_what(converted, tmp_path):
 
 
 @pytest.mark.parametrize(("url", "package"), [("gs://bucket/set", "gcsfs"), ("az://container/set", "adlfs")])
-def test_a_missing_store_client_names_the_package(url, package, tmp_path, capsys):
-    import importlib.util
-
+def test_a_missing_store_client_names_the_package(url, package, tmp_path, capsys, monkeypatch):
     from fastpipe.cli import main
     from fastpipe.errors import MissingDependency
 
-    if importlib.util.find_spec(package):
-        pytest.skip(f"{package} is installed here")
+    monkeypatch.setitem(sys.modules, package, None)  # as if not installed: importing it raises ImportError
     with pytest.raises(MissingDependency, match=rf"needs {package}: pip install {package}"):
         make_loader(url, cache_dir=tmp_path / "c")
     assert main(["bench", url, "--cache-dir", str(tmp_path / "c")]) != 0  # the CLI: the message, no traceback

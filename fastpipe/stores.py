@@ -1,0 +1,133 @@
+"""The store clients: an fsspec filesystem for a URL, with fastpipe's timeouts and the client's own retries off.
+
+`storage.Remote` retries every request itself: bounded, with jitter, counted in `loader.stats`, ending in an
+error that names the URL and byte range. Each store's client has a retry loop of its own, longer and silent:
+botocore and s3fs count attempts; gcsfs makes 6 with sleeps of up to 32 s, its count fixed when its class is
+defined; the Azure SDK retries 3 times after about 15, 18 and 24 s. Stacked under ours they multiply the attempts
+and hide them, so each is switched off here, where the client is made; and each gets the same connect and read
+timeout, so that a read that stalls fails in `timeout` seconds on every store.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import types
+
+from fastpipe.errors import ConfigError, MissingDependency
+
+PROTOCOL_EXTRAS = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs", "abfss": "adlfs",
+                   "http": "aiohttp", "https": "aiohttp"}
+FAMILY = {"s3a": "s3", "gcs": "gs", "abfs": "az", "abfss": "az", "https": "http"}
+GCSFS_RETRYING = ("_request", "_get_file_request", "_get_file_concurrent")  # gcsfs's @retry_request methods
+STORE_VARIABLES = ("AWS_", "AZURE_", "GOOGLE_", "GCSFS_", "STORAGE_EMULATOR_HOST")  # what the clients read
+
+
+def store_environment() -> dict[str, str]:
+    """The variables the store clients read (credentials and endpoints), as they are now."""
+    return {k: v for k, v in os.environ.items() if k.startswith(STORE_VARIABLES)}
+
+
+def open_fs(url: str, options: dict, timeout: float):
+    """The fsspec filesystem and root path for `url`, with bounded timeouts and the client's own retries off."""
+    try:
+        import fsspec.core
+    except ImportError as e:
+        raise MissingDependency("remote data sets need fsspec: pip install fsspec") from e
+    protocol = url.split("://", 1)[0].lower()
+    family = FAMILY.get(protocol, protocol)
+    opts = copy.deepcopy(options)  # the defaults below go into nested dicts: not into the caller's
+    if family in _OPTIONS:
+        _OPTIONS[family](opts, timeout)
+    try:
+        if family == "gs" and os.environ.get("STORAGE_EMULATOR_HOST"):
+            fs, root = _plain_gcsfs(url, opts)
+        else:
+            fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, **opts)  # a client of our own (Remote)
+    except ImportError as e:
+        extra = PROTOCOL_EXTRAS.get(protocol, f"the fsspec implementation for {protocol}://")
+        raise MissingDependency(f"{url}: reading {protocol}:// needs {extra}: pip install {extra}") from e
+    except ValueError as e:
+        raise ConfigError(f"{url}: {e}") from e
+    if family in _RETRIES_OFF:
+        _RETRIES_OFF[family](fs)
+    return fs, root
+
+
+def _aiohttp_timeout(timeout: float):
+    import aiohttp
+
+    # no total: a 64 MB range on a slow link may take minutes while bytes keep coming
+    return aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
+
+
+def _http_options(opts: dict, timeout: float) -> None:
+    opts.setdefault("client_kwargs", {}).setdefault("timeout", _aiohttp_timeout(timeout))
+
+
+def _s3_options(opts: dict, timeout: float) -> None:
+    cfg = opts.setdefault("config_kwargs", {})
+    cfg.setdefault("connect_timeout", timeout)
+    cfg.setdefault("read_timeout", timeout)
+    cfg.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
+    if os.environ.get("AWS_ENDPOINT_URL") and "endpoint_url" not in opts.get("client_kwargs", {}):
+        opts.setdefault("client_kwargs", {})["endpoint_url"] = os.environ["AWS_ENDPOINT_URL"]
+
+
+def _gs_options(opts: dict, timeout: float) -> None:
+    opts.setdefault("requests_timeout", _aiohttp_timeout(timeout))
+    if os.environ.get("STORAGE_EMULATOR_HOST"):  # Google's variable for a local GCS server (tests, CI)
+        # an emulator needs no credentials: without this gcsfs looks for them first, the cloud's metadata server
+        # included
+        opts.setdefault("token", "anon")
+
+
+def _plain_gcsfs(url: str, opts: dict):
+    """gcsfs's JSON-API client for an emulator. gcsfs >= 2025 hands out, by default, a client that first asks
+    each bucket's type over gRPC, which an emulator does not speak: it waited 60 s per bucket before falling back
+    (seen with gcp-storage-emulator). Its switch (GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT) is read once, at import."""
+    from gcsfs.core import GCSFileSystem
+
+    return GCSFileSystem(skip_instance_cache=True, **opts), GCSFileSystem._strip_protocol(url)
+
+
+def _az_options(opts: dict, timeout: float) -> None:
+    opts.setdefault("connection_timeout", timeout)
+    opts.setdefault("read_timeout", timeout)
+
+
+def _s3_retries_off(fs) -> None:
+    if hasattr(fs, "retries"):
+        fs.retries = 1  # s3fs's own loop, on top of botocore's (set to 1 attempt above)
+
+
+def _gs_retries_off(fs) -> None:
+    # gcsfs wraps these in @retry_request(retries=6) at class definition: the instance gets the plain methods.
+    # A gcsfs without them (renamed in a later release) keeps its own retries under ours: slower, still bounded.
+    for name in GCSFS_RETRYING:
+        method = getattr(type(fs), name, None)
+        if hasattr(method, "__wrapped__"):
+            setattr(fs, name, types.MethodType(method.__wrapped__, fs))
+
+
+def _az_retries_off(fs) -> None:
+    # The Azure SDK reads these from its policy object at each request (a request may override them; adlfs's
+    # don't); the policy is shared by every container and blob client made from this service client.
+    policy = getattr(getattr(getattr(fs, "service_client", None), "_config", None), "retry_policy", None)
+    for name in ("total_retries", "connect_retries", "read_retries", "status_retries"):
+        if isinstance(getattr(policy, name, None), int):
+            setattr(policy, name, 0)
+
+
+_OPTIONS = {"http": _http_options, "s3": _s3_options, "gs": _gs_options, "az": _az_options}
+_RETRIES_OFF = {"s3": _s3_retries_off, "gs": _gs_retries_off, "az": _az_retries_off}
+
+
+def installed_protocols() -> dict[str, bool]:
+    """Which remote protocols this environment can read (for `fastpipe doctor`)."""
+    return {p: importlib.util.find_spec(m) is not None
+            for p, m in (("s3", "s3fs"), ("gs", "gcsfs"), ("az", "adlfs"), ("http", "aiohttp"))}
+
+
+__all__ = ["PROTOCOL_EXTRAS", "installed_protocols", "open_fs", "store_environment"]
