@@ -273,13 +273,20 @@ def _dies_on_three(x: int) -> int:
     return x * 10
 
 
-def test_the_worker_pool_gives_results_in_order_and_says_when_a_worker_dies():
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_the_worker_pool_gives_results_in_order_and_says_when_a_worker_dies(method, monkeypatch):
     """The converter's pool on its own (it also draws the previews, whose tasks are not file names): results in
-    order across chunks and workers, and a dead worker named as such, not a hang."""
+    order across chunks and workers, and a dead worker named as such, not a hang; forked, and spawned as it is
+    when the converting process holds CUDA or DALI (util.pool_context)."""
+    import multiprocessing
+
+    from fastpipe.convert import workers
     from fastpipe.convert.workers import WorkerDied, Workers
 
+    monkeypatch.setattr(workers, "pool_context", lambda: multiprocessing.get_context(method))
     pool = Workers(2, int, ())
     try:
+        assert f"{method.title()}Process" in {type(p).__name__ for p in multiprocessing.active_children()}
         assert list(pool.imap(abs, range(-9, 0), chunksize=2)) == list(range(9, 0, -1))
         with pytest.raises(WorkerDied, match=r"died .* with \d+ tasks in flight"):
             list(pool.imap(_dies_on_three, range(10), chunksize=1))
