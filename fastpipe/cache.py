@@ -105,9 +105,14 @@ class ShardCache:
     def _file(self, i: int) -> tuple[int, mmap.mmap, np.ndarray]:
         f = self._open.get(i)
         if f is None:
-            path = self.path(i)
+            path, size = self.path(i), self.sizes[i] + len(self.spans[i])
+            if path.exists() and path.stat().st_size != size:
+                # The same bytes cached under another index (`inspect --repair` leaves samples out of the .idx,
+                # not the tar): its presence bytes count other samples, so this copy starts again.
+                for p in (path, cachefiles.stamp_path(path)):
+                    p.unlink(missing_ok=True)
             if not path.exists():
-                cachefiles.create_sparse(path, self.sizes[i] + len(self.spans[i]))
+                cachefiles.create_sparse(path, size)
             fd = os.open(path, os.O_RDWR)
             m = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
             f = self._open[i] = (fd, m, np.frombuffer(m, np.uint8)[self.sizes[i]:])

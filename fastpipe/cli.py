@@ -247,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out")
     p.add_argument("--verify", action="store_true", help="check checksums and decode every sample")
     p.add_argument("--repair", action="store_true", help="with --verify's findings: leave undecodable samples out "
-                   "of the .idx files (what DALI needs; the shards are not touched)")
+                   "of the .idx files (what DALI needs; the shards are not touched); of a URL, the new files are "
+                   "uploaded, dataset.json last")
     p.add_argument("--cache-dir", help="for a URL: the node cache the shards are read through (default "
                    "~/.cache/fastpipe/shards or $FASTPIPE_CACHE)")
     p.set_defaults(func=_cmd_inspect, interrupt_hint=again)

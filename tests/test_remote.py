@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import warnings
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -336,10 +337,9 @@ def test_a_missing_store_client_names_the_package(url, package, tmp_path, capsys
 
 def test_inspect_verify_reads_a_store_through_the_cache(converted, tmp_path, capsys):
     """`fastpipe inspect URL --verify`: every shard fetched (faults included) and every sample decoded; a shard
-    altered in the store and one missing are named; --repair (it rewrites indexes) is refused with the way."""
+    altered in the store and one missing are named."""
     from fastpipe.cli import main
     from fastpipe.convert.inspect import inspect
-    from fastpipe.errors import ConfigError
 
     with FolderServer(converted, Faults(error_every=3, only=".tar")) as url:
         assert main(["inspect", url, "--verify", "--cache-dir", str(tmp_path / "c")]) == 0
@@ -356,11 +356,51 @@ def test_inspect_verify_reads_a_store_through_the_cache(converted, tmp_path, cap
     missing.unlink()
     with FolderServer(store) as url:
         report = inspect(url, verify=True, cache_dir=tmp_path / "c2")
-        with pytest.raises(ConfigError, match=r"--repair rewrites index files.*local folder"):
-            inspect(url, verify=True, repair=True, cache_dir=tmp_path / "c2")
     assert not report.ok
     assert any(altered.name in p and "sha256 differs" in p for p in report.problems)
     assert any(missing.name in p and "not found" in p for p in report.problems)
+
+
+def test_inspect_repair_of_a_url_rewrites_its_indexes_in_the_store(converted, tmp_path, s3_bucket):
+    """A set adopted with an undecodable sample in it (its sha256 taken as it is, as `fastpipe index` does), in a
+    bucket: `inspect --verify --repair URL` uploads the new index, repaired.jsonl and dataset.json, as a local
+    repair writes them. A node cache that held part of the shard under the old index then reads the repaired set
+    right (its presence bytes counted other samples: that copy starts again)."""
+    from test_loaders import _corrupt_one_sample
+
+    from fastpipe.convert.inspect import inspect
+    from fastpipe.manifest import save
+    from fastpipe.shardformat import read_index, sha256_file
+    from fastpipe.storage import Remote
+
+    endpoint, opts = s3_bucket
+    opts = {**opts, "client_kwargs": {**opts["client_kwargs"], "endpoint_url": endpoint}}
+    local = tmp_path / "local"
+    shutil.copytree(converted, local)
+    key = _corrupt_one_sample(local)
+    m = load(local)
+    bad = m.splits["train"].shards[0]
+    shards = (replace(bad, sha256=sha256_file(local / bad.path)), *m.splits["train"].shards[1:])
+    save(replace(m, splits={**m.splits, "train": replace(m.splits["train"], shards=shards)}))
+    url = "s3://leafs/repair/v1"
+    Remote(url, opts).put_many([(p, p.relative_to(local).as_posix()) for p in local.rglob("*") if p.is_file()])
+    node = tmp_path / "node-cache"  # this node read rank 0's half of each shard before the repair
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the bad sample may be in that half: skipped, with a warning
+        epoch(make_loader(url, split="train", num_workers=0, rank=0, world_size=2, storage_options=opts,
+                          cache_dir=node, **KW))
+    report = inspect(url, verify=True, repair=True, storage_options=opts, cache_dir=tmp_path / "repairing-node")
+    assert report.ok and report.repaired and f"{url}/repaired.jsonl" in "\n".join(report.lines)
+    inspect(local, verify=True, repair=True)  # the same repair, locally: the reference
+    store = Remote(url, opts)
+    for rel in (bad.index, "repaired.jsonl", "dataset.json"):
+        assert store.cat(rel) == (local / rel).read_bytes(), rel
+    assert key not in [k for k, _ in read_index(local / bad.index)]
+    loader = make_loader(url, split="train", num_workers=2, storage_options=opts, cache_dir=node, **KW)
+    remote = epoch(loader)
+    assert loader.stats.skipped == 0
+    reference = epoch(make_loader(local, split="train", num_workers=0, **KW))
+    assert remote[:2] == reference[:2] and torch.equal(remote[2], reference[2])
 
 
 def test_credentials_never_leave_memory(converted, tmp_path):

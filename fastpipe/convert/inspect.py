@@ -2,32 +2,32 @@
 repair DALI needs (it cannot skip an undecodable sample; its reader reads only what the `.idx` lists).
 
 OUT may be a URL: `--verify` then reads every shard through the node's cache (cache.py checks each against its
-sha256 as it completes) and decodes every sample. `--repair` rewrites index files, so it takes a local copy."""
+sha256 as it completes) and decodes every sample; `--repair` (repair.py) uploads the indexes it rewrites."""
 
 from __future__ import annotations
 
 import io
-import json
-from dataclasses import dataclass, field, replace
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from fastpipe.errors import ConfigError, DataError
-from fastpipe.manifest import Manifest, SplitInfo, load, save
+from fastpipe.convert.repair import repair_indexes
+from fastpipe.errors import DataError
+from fastpipe.manifest import Manifest, load
 from fastpipe.shardformat import (
     BLOCK,
     decode_label,
-    entry_line,
     parse_index,
     read_index,
     read_member,
     sha256_file,
-    write_index,
 )
-from fastpipe.util import FolderLock, write_jsonl_atomic
+
+_BUFFER = re.compile(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>")
 
 
 @dataclass
@@ -95,7 +95,8 @@ def _check_sample(m: Manifest, fh, parts: dict) -> tuple[int | None, str | None]
             return None, f"label {bad[0]} is outside the {m.num_classes} classes"
         Image.open(io.BytesIO(read_member(fh, parts[m.components.image]))).load()
     except Exception as e:  # any failure here is a finding to report, not a crash
-        return label, f"{type(e).__name__}: {e}"
+        # PIL names the buffer by its address: repaired.jsonl should say the same thing on every run
+        return label, f"{type(e).__name__}: {_BUFFER.sub('the image bytes', str(e))}"
     return label, None
 
 
@@ -133,34 +134,37 @@ def _check_samples(m: Manifest, split: str, shard, path: Path, where, samples: l
 
 
 def _verify_remote_shard(m: Manifest, split: str, shard, report: Report) -> int:
-    """A shard in a store, read whole into the node cache the loaders share (the same file and spans; cache.py
-    checks it against its sha256 as it completes, fetching a bad copy once more), then every sample decoded."""
+    """A shard in a store, read whole into the node cache the loaders share, then every sample decoded."""
+    try:
+        path, samples = _cached_whole(m, shard)
+    except DataError as e:  # missing, still failing after the retries, or not the bytes dataset.json names
+        report.problems.append(str(e))
+        return 0
+    return _check_samples(m, split, shard, path, m.remote.join(shard.path), samples, report)
+
+
+def _cached_whole(m: Manifest, shard) -> tuple[Path, list]:
+    """(the node cache's file holding the store's shard whole, its index as in the store). The cache uses the
+    loaders' files and sample spans (cache.tiling) and checks the shard against its sha256 as it completes,
+    fetching a bad copy once more; the file holds the shard's bytes at their own offsets."""
     from fastpipe.cache import ShardCache, tiling
 
     r = m.remote
     exts = [e for e in (m.components.image, m.components.label_bin or m.components.label, m.components.meta) if e]
-    try:
-        samples = parse_index(r.cat(shard.index), r.join(shard.index), shard.bytes)
-        ends = np.array([max(sum(parts[e]) for e in exts if e in parts) for _, parts in samples], np.int64)
-        heads = np.array([(parts[exts[0]][0] - BLOCK, parts[exts[0]][1]) if exts[0] in parts else (-1, -1)
-                          for _, parts in samples], np.int64)  # a sample without an image is reported below
-        cache = ShardCache(r, r.cache_dir, r.cache_limit, [shard.path], [shard.bytes], [shard.sha256],
-                           [tiling(ends, shard.bytes)], [heads.reshape(-1, 2)])
-        cache.check(0)
-        cache.ensure({0: np.arange(len(samples))})
-    except DataError as e:  # missing, still failing after the retries, or not the bytes dataset.json names
-        report.problems.append(str(e))
-        return 0
-    # the cached file holds the shard's bytes at their own offsets (then the cache's presence bytes)
-    return _check_samples(m, split, shard, cache.path(0), r.join(shard.path), samples, report)
+    samples = parse_index(r.cat(shard.index), r.join(shard.index), shard.bytes)
+    ends = np.array([max(sum(parts[e]) for e in exts if e in parts) for _, parts in samples], np.int64)
+    heads = np.array([(parts[exts[0]][0] - BLOCK, parts[exts[0]][1]) if exts[0] in parts else (-1, -1)
+                      for _, parts in samples], np.int64)  # a sample without an image is reported by the check
+    cache = ShardCache(r, r.cache_dir, r.cache_limit, [shard.path], [shard.bytes], [shard.sha256],
+                       [tiling(ends, shard.bytes)], [heads.reshape(-1, 2)])
+    cache.check(0)
+    cache.ensure({0: np.arange(len(samples))})
+    return cache.path(0), samples
 
 
 def inspect(out, verify: bool = False, repair: bool = False, storage_options: dict | None = None,
             cache_dir=None) -> Report:
     m = load(out, storage_options, cache_dir)
-    if m.remote is not None and repair:
-        raise ConfigError(f"--repair rewrites index files, which fastpipe does not do in a store: copy {m.location} "
-                          f"to a local folder (e.g. `aws s3 sync`), repair it there, and upload it again")
     report = Report(_summary(m))
     if verify or repair:
         shards = [(name, s) for name, sp in m.splits.items() for s in sp.shards]
@@ -174,61 +178,11 @@ def inspect(out, verify: bool = False, repair: bool = False, storage_options: di
                          for a in report.altered[:50]]
         report.lines += [f"  PROBLEM {b['shard']} sample {b['key']}: {b['reason']}" for b in report.bad[:50]]
         if repair and report.bad:
-            report.lines += repair_indexes(m, report.bad)
+            local = (lambda s: m.root / s.path) if m.remote is None else (lambda s: _cached_whole(m, s)[0])
+            report.lines += repair_indexes(m, report.bad, local)
             report.repaired = True
         elif report.bad:
-            where = m.location if m.remote is None else "a local copy of it"
             report.lines.append(f"  {len(report.bad)} undecodable samples: the torch and nvjpeg backends skip them, "
-                                f"DALI stops. `fastpipe inspect --repair` of {where} leaves them out of the .idx "
-                                f"files (the shards stay as they are)")
+                                f"DALI stops. `fastpipe inspect --verify --repair {m.location}` leaves them out of "
+                                f"the .idx files (the shards stay as they are)")
     return report
-
-
-def repair_indexes(m: Manifest, bad: list[dict]) -> list[str]:
-    """Rewrite the `.idx` of each shard with bad samples without them, and dataset.json with the new counts;
-    the samples left out are listed in repaired.jsonl. The tars are not touched (their checksums still hold)."""
-    with FolderLock(m.root, "fastpipe inspect --repair"):
-        by_shard: dict[str, set[str]] = {}
-        for b in bad:
-            by_shard.setdefault(b["shard"], set()).add(b["key"])
-        splits = {}
-        for name, sp in m.splits.items():
-            counts, shards = list(sp.class_counts), []
-            for s in sp.shards:
-                drop = by_shard.get(s.path, set())
-                if drop:
-                    kept = [(k, p) for k, p in read_index(m.root / s.index, s.bytes) if k not in drop]
-                    write_index(m.root / s.index, [entry_line(k, p) for k, p in kept])
-                    # Every sample still listed was just decoded: the shard's new bytes are its checksum now.
-                    s = replace(s, samples=len(kept), sha256=sha256_file(m.root / s.path))
-                shards.append(s)
-            mine = [b for b in bad if b["split"] == name]
-            if m.multilabel or any(b["label"] is None or not 0 <= b["label"] < len(counts) for b in mine):
-                counts = _recount(m, shards)  # a label we could not read: count the kept samples again
-            else:
-                for b in mine:
-                    counts[b["label"]] -= 1
-            splits[name] = SplitInfo(tuple(shards), tuple(counts))
-        previous = _previous_repairs(m.root)
-        write_jsonl_atomic(m.root / "repaired.jsonl", previous + bad)
-        settings = {**m.settings, "repaired": len(previous) + len(bad)}
-        save(replace(m, splits=splits, settings=settings))
-    return [f"  repaired: {len(bad)} samples left out of {len(by_shard)} index files "
-            f"(listed in {m.root / 'repaired.jsonl'}); dataset.json counts updated"]
-
-
-def _recount(m: Manifest, shards) -> list[int]:
-    label_ext = m.components.label_bin or m.components.label
-    counts = [0] * m.num_classes
-    for s in shards:
-        with open(m.root / s.path, "rb") as fh:
-            for _key, parts in read_index(m.root / s.index, s.bytes):
-                label = decode_label(read_member(fh, parts[label_ext]), label_ext, m.multilabel)
-                for k in label if m.multilabel else (label,):
-                    counts[k] += 1
-    return counts
-
-
-def _previous_repairs(root: Path) -> list[dict]:
-    path = root / "repaired.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
