@@ -28,7 +28,7 @@ class Faults:
     reset_every: int = 0  # every Nth request has its connection closed without a response
     stall_every: int = 0  # every Nth request waits `stall` seconds before answering
     stall: float = 0.0
-    only: str = ""  # faults only for request paths containing this (e.g. ".tar"); latency applies to all
+    only: str = ""  # faults only for requests whose line ("GET /path") holds this (".tar"); latency: all
 
     def __post_init__(self):
         self.lock, self.count = threading.Lock(), 0
@@ -63,7 +63,7 @@ class _Handler(SimpleHTTPRequestHandler):
 
     def _faulted(self) -> bool:
         """Apply this request's latency and fault; True when the fault was the whole answer (a reset, a 503)."""
-        fault = self.faults.next(self.path)
+        fault = self.faults.next(f"{self.command} {self.path}")
         if self.faults.latency:
             time.sleep(self.faults.latency)
         if fault == "reset":

@@ -475,7 +475,8 @@ def test_an_interrupted_upload_resumes_with_the_same_bytes(folder, tmp_path, s3_
 def test_a_conversion_whose_machine_is_lost_resumes_on_another(tmp_path, s3_bucket, monkeypatch, capsys):
     """`shard SRC s3://...` is killed mid-way and its machine's disk is gone (its staging folder deleted). The
     same command on another machine (another cache folder, the photos copied to another path) resumes from the
-    journal the first mirrored into the bucket: it converts fewer than all the photos, gives the bytes of an
+    journal the first mirrored into the bucket: it converts fewer than all the photos, does not upload again the
+    shards it downloaded (but does one it found damaged there and converted again), gives the bytes of an
     uninterrupted run, and removes the journal from the bucket."""
     from conftest import make_folder
 
@@ -505,9 +506,18 @@ def test_a_conversion_whose_machine_is_lost_resumes_on_another(tmp_path, s3_buck
     assert len(mirrored) >= 2 and not remote.exists("dataset.json"), "killed too late, or nothing mirrored"
 
     shutil.rmtree(tmp_path / "machine-a")  # the lost machine's disk
+    damaged = tmp_path / "damaged.tar"  # the last mirrored shard, damaged in the store: converted again, uploaded
+    data = bytearray(remote.cat(mirrored[-1]["path"]))
+    data[600:700] = bytes(100)  # inside the first image (a tar ends in zeros: the last bytes would not do)
+    damaged.write_bytes(bytes(data))
+    remote.put_many([(damaged, mirrored[-1]["path"])])
     monkeypatch.setenv("FASTPIPE_CACHE", str(tmp_path / "machine-b" / "shards"))
     src = shutil.copytree(src, tmp_path / "machine-b" / "photos")  # mounted elsewhere there
-    assert main(["shard", str(src), url, *args]) == 0
+    uploads = Faults(only=f"PUT /leafs/lost/v1/{mirrored[0]['path']}")  # counts them, injects nothing
+    with FolderServer(None, uploads, proxy_to=endpoint) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy)
+        assert main(["shard", str(src), url, *args]) == 0
+    assert uploads.requests and uploads.count == 0  # a restored shard is not uploaded again
     out = capsys.readouterr().out
     restored = re.search(r"resumed from the journal in the store \((\d+) shards already converted\)", out)
     assert restored and int(restored.group(1)) >= len(mirrored), out

@@ -47,15 +47,16 @@ def shard_to_url(cfg, shard, storage_options: dict | None = None):
     staging = staging_folder(url + cfg.suffix)  # the parts of a cluster job may share a node
     name = journal_name(cfg.suffix)
     restored = _restore(staging, remote, name)
-    with _Mirror(staging, remote, name) as mirror:
+    with _Mirror(staging, remote, name, restored) as mirror:
         summary = shard(replace(cfg, out=staging))
-    upload(staging, remote, skip=mirror.sent)
+    upload(staging, remote, skip=mirror.in_store())
     remote.delete(name)
     shutil.rmtree(staging)
     summary.out = url
     summary.notes.append(f"uploaded to {url} (dataset{cfg.suffix}.json last); staging folder {staging} removed")
     if restored:
-        summary.notes.insert(0, f"resumed from the journal in the store ({restored} shards already converted)")
+        summary.notes.insert(0, f"resumed from the journal in the store ({len(restored) // 2} shards already "
+                                f"converted)")
     return summary
 
 
@@ -65,12 +66,18 @@ MIRROR_SECONDS = float(os.environ.get("FASTPIPE_MIRROR_SECONDS", 2))
 class _Mirror(Ticker):
     """Every MIRROR_SECONDS while a conversion runs: the shards (.tar, .idx) its journal lists that the store
     lacks, then the journal as read, so the store's journal never lists a shard the store lacks. A failing store
-    does not stop the conversion: the final upload (which skips what was sent) retries and reports."""
+    does not stop the conversion: the final upload (which skips what the store has) retries and reports."""
 
-    def __init__(self, staging: Path, remote: Remote, name: str):
+    def __init__(self, staging: Path, remote: Remote, name: str, in_store: dict[str, tuple]):
         super().__init__(MIRROR_SECONDS, self._quietly, "fastpipe-mirror")
         self.staging, self.remote, self.name = staging, remote, name
-        self.sent: set[str] = set()
+        # each file the store has as it is here, with its stamp: the restored ones to begin with, so that a
+        # conversion resumed on another machine does not upload again every shard it downloaded
+        self.sent: dict[str, tuple | None] = dict(in_store)
+
+    def in_store(self) -> set[str]:
+        """The files the store has as they are here (one the driver rewrote since, it does not)."""
+        return {n for n, stamp in self.sent.items() if stamp == _stamp(self.staging / n)}
 
     def _quietly(self) -> None:
         with contextlib.suppress(Exception):
@@ -81,25 +88,35 @@ class _Mirror(Ticker):
             text = (self.staging / self.name).read_text()
         except OSError:
             return  # not started, or finished (the journal is removed once dataset.json is written)
-        names = [n for sh in journal_shards(text) for n in (sh["path"], sh["index"]) if n not in self.sent]
-        self.remote.put_many([(self.staging / n, n) for n in names])
-        self.sent.update(names)
+        stamps = {n: _stamp(self.staging / n) for sh in journal_shards(text) for n in (sh["path"], sh["index"])}
+        todo = {n: stamp for n, stamp in stamps.items() if self.sent.get(n) != stamp}
+        self.remote.put_many([(self.staging / n, n) for n in todo])
+        self.sent.update(todo)
         copy = self.staging / f"{self.name}.mirror"
         copy.write_text(text)
         self.remote.put_many([(copy, self.name)])
 
 
-def _restore(staging: Path, remote: Remote, name: str) -> int:
+def _restore(staging: Path, remote: Remote, name: str) -> dict[str, tuple | None]:
     """A journal in the store and none here: download it and the shards it lists; the driver checks each shard
-    (sha256) as it resumes. Returns the number of shards restored."""
+    (sha256) as it resumes. Returns each file restored (.tar, .idx) with its stamp."""
     if (staging / name).exists() or not remote.exists(name):
-        return 0
+        return {}
     staging.mkdir(parents=True, exist_ok=True)
     text = remote.cat(name).decode()
     names = [n for sh in journal_shards(text) for n in (sh["path"], sh["index"])]
     remote.get_many([(n, staging / n) for n in names])
     (staging / name).write_text(text)  # last: a restore cut short leaves no journal, so it is done again
-    return len(names) // 2
+    return {n: _stamp(staging / n) for n in names}
+
+
+def _stamp(path: Path) -> tuple | None:
+    """What tells a file from a rewrite of it (a resumed conversion replaces a bad shard by a new file)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def merge_to_url(url: str, storage_options: dict | None = None):
