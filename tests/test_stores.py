@@ -185,6 +185,37 @@ def test_parts_into_the_store_then_merge_there(store, folder, tmp_path, monkeypa
         assert (keys, labels) == epoch(make_loader(tmp_path / "local", split=split, num_workers=0, **KW))[:2]
 
 
+@pytest.mark.parametrize("store", ["gs", "az"])
+def test_index_and_verify_shards_another_tool_wrote_into_the_store(store, tmp_path, monkeypatch, capsys, request):
+    """`fastpipe index URL.tar ... --val ...` adopts webdataset shards in GCS or Azure (their .idx files and
+    dataset.json written beside them), which read back as the same shards indexed locally and verify intact."""
+    import webdataset as wds
+    from conftest import COLORS, photo
+
+    from fastpipe.cli import main
+    from fastpipe.convert.foreign import IndexConfig, index_shards
+
+    request.getfixturevalue({"gs": "gcs", "az": "azure"}[store])
+    monkeypatch.setenv("FASTPIPE_CACHE", str(tmp_path / "cache" / "shards"))
+    local = tmp_path / "local"
+    local.mkdir()
+    with wds.ShardWriter(str(local / "part-%03d.tar"), maxcount=10) as sink:
+        for i in range(15):
+            color = ("red", "green", "blue")[i % 3]
+            sink.write({"__key__": f"s{i:04d}", "jpg": photo(COLORS[color], seed=i), "cls": str(i % 3).encode()})
+    tars = sorted(local.glob("part-*.tar"))
+    prefix = f"{store}://leafs/foreign-{store}"
+    Remote(prefix).put_many([(t, t.name) for t in tars])
+    assert main(["index", f"{prefix}/{tars[0].name}", "--val", f"{prefix}/{tars[1].name}"]) == 0
+    index_shards(IndexConfig(tars[:1], val=tars[1:]))  # the same shards, indexed on the local disk
+    for split in ("train", "val"):
+        remote = epoch(make_loader(prefix, split=split, num_workers=0, cache_dir=tmp_path / "c", **KW))
+        assert remote[:2] == epoch(make_loader(local, split=split, num_workers=0, **KW))[:2]
+    capsys.readouterr()
+    assert main(["inspect", prefix, "--verify", "--cache-dir", str(tmp_path / "c")]) == 0
+    assert "verified 15 samples in 2 shards: all intact" in capsys.readouterr().out
+
+
 def test_refused_azure_credentials_are_named_at_once(azure, tmp_path, monkeypatch):
     monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azure_string(azure, key="V3JvbmcgS2V5" * 6))
     start = time.monotonic()
