@@ -3,9 +3,9 @@
 `storage.Remote` retries every request itself: bounded, with jitter, counted in `loader.stats`, ending in an
 error that names the URL and byte range. Each store's client has a retry loop of its own, longer and silent:
 botocore and s3fs count attempts; gcsfs makes 6, sleeping about 1, 2, 4, 8 and 16 s between them, its count
-fixed when its class is defined; the Azure SDK retries 3 times after about 15, 18 and 24 s. Stacked under ours they multiply the attempts
-and hide them, so each is switched off here, where the client is made; and each gets the same connect and read
-timeout, so that a read that stalls fails in `timeout` seconds on every store.
+fixed when its class is defined; the Azure SDK retries 3 times after about 15, 18 and 24 s. Stacked under ours
+they multiply the attempts and hide them, so each is switched off here, where the client is made; and each gets
+the same connect and read timeout, so that a read that stalls fails in `timeout` seconds on every store.
 """
 
 from __future__ import annotations

@@ -403,14 +403,25 @@ def test_inspect_repair_of_a_url_rewrites_its_indexes_in_the_store(converted, tm
     assert remote[:2] == reference[:2] and torch.equal(remote[2], reference[2])
 
 
-def test_credentials_never_leave_memory(converted, tmp_path):
-    secret = "SECRET-abc123"
+def test_credentials_never_leave_memory(converted, tmp_path, monkeypatch):
+    """Neither storage_options nor the store's environment (which Remote carries to forked workers) reach a
+    record: the loader's description, a repr, or any file of a training run."""
+    from fastpipe.cli import main
+
+    secret, env_secret = "SECRET-abc123", "ENV-SECRET-xyz789"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", env_secret)
     with FolderServer(converted) as url:
         loader = make_loader(url, split="val", num_workers=0, cache_dir=tmp_path / "c",
                              storage_options={"headers": {"Authorization": secret}}, **KW)
         epoch(loader)
+        assert main(["train", url, "--model", "resnet18", "--epochs", "1", "--image-size", "32", "--batch-size",
+                     "16", "--device", "cpu", "--workers", "0", "--out", str(tmp_path / "run"), "--cache-dir",
+                     str(tmp_path / "c")]) == 0
+    assert loader.manifest.remote.env["AWS_SECRET_ACCESS_KEY"] == env_secret  # carried, in memory
     text = json.dumps(loader.describe(), default=str) + repr(loader.manifest) + repr(loader.manifest.remote)
-    assert secret not in text and url in loader.manifest.location
+    assert secret not in text and env_secret not in text and url in loader.manifest.location
+    written = b"".join(p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file())
+    assert written and env_secret.encode() not in written and secret.encode() not in written
 
 
 def test_local_paths_are_unchanged(converted):
