@@ -361,13 +361,17 @@ def test_inspect_verify_reads_a_store_through_the_cache(converted, tmp_path, cap
     assert any(missing.name in p and "not found" in p for p in report.problems)
 
 
-def test_inspect_repair_of_a_url_rewrites_its_indexes_in_the_store(converted, tmp_path, s3_bucket):
+@pytest.mark.parametrize("kind", ["single-label", "multi-label"])
+def test_inspect_repair_of_a_url_rewrites_its_indexes_in_the_store(kind, converted, tmp_path, s3_bucket):
     """A set adopted with an undecodable sample in it (its sha256 taken as it is, as `fastpipe index` does), in a
     bucket: `inspect --verify --repair URL` uploads the new index, repaired.jsonl and dataset.json, as a local
-    repair writes them. A node cache that held part of the shard under the old index then reads the repaired set
-    right (its presence bytes counted other samples: that copy starts again)."""
+    repair writes them (multi-label: the counts are taken again from the labels, read through the node cache). A
+    node cache that held part of the shard under the old index then reads the repaired set right (its presence
+    bytes counted other samples: that copy starts again)."""
     from test_loaders import _corrupt_one_sample
+    from test_multilabel import make_list
 
+    from fastpipe.convert.driver import ShardConfig, shard
     from fastpipe.convert.inspect import inspect
     from fastpipe.manifest import save
     from fastpipe.shardformat import read_index, sha256_file
@@ -376,13 +380,18 @@ def test_inspect_repair_of_a_url_rewrites_its_indexes_in_the_store(converted, tm
     endpoint, opts = s3_bucket
     opts = {**opts, "client_kwargs": {**opts["client_kwargs"], "endpoint_url": endpoint}}
     local = tmp_path / "local"
-    shutil.copytree(converted, local)
+    if kind == "single-label":
+        shutil.copytree(converted, local)
+    else:
+        (tmp_path / "src").mkdir()
+        shard(ShardConfig(make_list(tmp_path / "src"), local, short_side=48, val_fraction=0.25, workers=0,
+                          max_shard_size=64 * 1024))
     key = _corrupt_one_sample(local)
     m = load(local)
     bad = m.splits["train"].shards[0]
     shards = (replace(bad, sha256=sha256_file(local / bad.path)), *m.splits["train"].shards[1:])
     save(replace(m, splits={**m.splits, "train": replace(m.splits["train"], shards=shards)}))
-    url = "s3://leafs/repair/v1"
+    url = f"s3://leafs/repair/{kind}"
     Remote(url, opts).put_many([(p, p.relative_to(local).as_posix()) for p in local.rglob("*") if p.is_file()])
     node = tmp_path / "node-cache"  # this node read rank 0's half of each shard before the repair
     with warnings.catch_warnings():
