@@ -57,6 +57,18 @@ def make_folder(root: Path, counts: dict[str, int], size=(96, 72), seed=0) -> Pa
     return root
 
 
+def webdataset_shards(folder: Path, count: int, per_shard: int) -> list[Path]:
+    """Shards another tool wrote (webdataset's ShardWriter): `count` photos of 3 classes, `cls` labels."""
+    import webdataset as wds
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with wds.ShardWriter(str(folder / "part-%03d.tar"), maxcount=per_shard) as sink:
+        for i in range(count):
+            color = ("red", "green", "blue")[i % 3]
+            sink.write({"__key__": f"s{i:04d}", "jpg": photo(COLORS[color], seed=i), "cls": str(i % 3).encode()})
+    return sorted(folder.glob("part-*.tar"))
+
+
 @pytest.fixture
 def folder(tmp_path) -> Path:
     return make_folder(tmp_path / "src", {"red": 12, "green": 8, "blue": 4})

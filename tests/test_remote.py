@@ -594,8 +594,7 @@ def test_index_adopts_foreign_shards_in_a_bucket(tmp_path, s3_bucket, monkeypatc
     """`fastpipe index s3://.../a.tar ... --val ...`: shards another tool wrote into a bucket get their .idx files
     and dataset.json beside them (the tars untouched, nothing left on local disk but the cache), and read back
     exactly as the same shards indexed locally; indexing again needs --overwrite."""
-    import webdataset as wds
-    from conftest import COLORS, photo
+    from conftest import webdataset_shards
 
     from fastpipe.cli import main
     from fastpipe.convert.foreign import IndexConfig, index_shards
@@ -606,12 +605,7 @@ def test_index_adopts_foreign_shards_in_a_bucket(tmp_path, s3_bucket, monkeypatc
                  "AWS_DEFAULT_REGION": "us-east-1", "FASTPIPE_CACHE": str(tmp_path / "cache" / "shards")}.items():
         monkeypatch.setenv(k, v)
     local = tmp_path / "local"
-    local.mkdir()
-    with wds.ShardWriter(str(local / "part-%03d.tar"), maxcount=6) as sink:
-        for i in range(15):
-            color = ("red", "green", "blue")[i % 3]
-            sink.write({"__key__": f"s{i:04d}", "jpg": photo(COLORS[color], seed=i), "cls": str(i % 3).encode()})
-    tars = sorted(local.glob("part-*.tar"))
+    tars = webdataset_shards(local, count=15, per_shard=6)
     bucket = Remote("s3://leafs/foreign")
     bucket.put_many([(t, t.name) for t in tars])
     urls = [f"s3://leafs/foreign/{t.name}" for t in tars]

@@ -189,8 +189,7 @@ def test_parts_into_the_store_then_merge_there(store, folder, tmp_path, monkeypa
 def test_index_and_verify_shards_another_tool_wrote_into_the_store(store, tmp_path, monkeypatch, capsys, request):
     """`fastpipe index URL.tar ... --val ...` adopts webdataset shards in GCS or Azure (their .idx files and
     dataset.json written beside them), which read back as the same shards indexed locally and verify intact."""
-    import webdataset as wds
-    from conftest import COLORS, photo
+    from conftest import webdataset_shards
 
     from fastpipe.cli import main
     from fastpipe.convert.foreign import IndexConfig, index_shards
@@ -198,12 +197,7 @@ def test_index_and_verify_shards_another_tool_wrote_into_the_store(store, tmp_pa
     request.getfixturevalue({"gs": "gcs", "az": "azure"}[store])
     monkeypatch.setenv("FASTPIPE_CACHE", str(tmp_path / "cache" / "shards"))
     local = tmp_path / "local"
-    local.mkdir()
-    with wds.ShardWriter(str(local / "part-%03d.tar"), maxcount=10) as sink:
-        for i in range(15):
-            color = ("red", "green", "blue")[i % 3]
-            sink.write({"__key__": f"s{i:04d}", "jpg": photo(COLORS[color], seed=i), "cls": str(i % 3).encode()})
-    tars = sorted(local.glob("part-*.tar"))
+    tars = webdataset_shards(local, count=15, per_shard=10)
     prefix = f"{store}://leafs/foreign-{store}"
     Remote(prefix).put_many([(t, t.name) for t in tars])
     assert main(["index", f"{prefix}/{tars[0].name}", "--val", f"{prefix}/{tars[1].name}"]) == 0
