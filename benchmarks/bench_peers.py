@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import multiprocessing
 import random
 import resource
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +33,7 @@ import torch
 
 from fastpipe.convert.images import Encoded, ImageSettings, process
 from fastpipe.loaders import cpu_ops
+from fastpipe.util import reuse_freed_memory
 
 BATCH, SIZE = 64, 224
 BOUND = "one-process decode bound"
@@ -45,7 +49,11 @@ def parse_args(argv=None):
     ap.add_argument("--convert-rounds", type=int, default=5)
     ap.add_argument("--only-conversion", action="store_true", help="skip the machinery and loading parts")
     ap.add_argument("--epochs", type=int, default=4, help="timed epochs per loader, after the first")
+    ap.add_argument("--conversion-in-process", action="store_true",
+                    help="convert in this process, whose allocator every tool's forked workers then inherit warm, "
+                         "instead of a fresh process per conversion as a user's script runs it")
     ap.add_argument("--json", default="bench-results/peers.json")
+    ap.add_argument("--convert-one", nargs=3, help=argparse.SUPPRESS)  # TOOL ITEMS_JSON OUT: one conversion
     return ap.parse_args(argv)
 
 
@@ -112,20 +120,54 @@ def convert_mosaic(items, out: Path, workers: int) -> None:
             w.write(sample)
 
 
+MODULES = {"fastpipe": "fastpipe.convert.driver", "litdata": "litdata", "mosaic": "streaming"}
+
+
+TUNED = ", allocator as fastpipe's"  # the peer's call made after util.reuse_freed_memory() in its process
+
+
+def convert_timed(name: str, raw: Path, items, out: Path, workers: int) -> dict:
+    if name.endswith(TUNED):  # forked workers inherit the setting
+        name = name.removesuffix(TUNED)
+        reuse_freed_memory()
+    tools = {"fastpipe": lambda: convert_fastpipe(raw, out, workers),
+             "litdata": lambda: convert_litdata(items, out, workers),
+             "mosaic": lambda: convert_mosaic(items, out, workers)}
+    shutil.rmtree(out, ignore_errors=True)
+    importlib.import_module(MODULES[name])  # imported before the clock starts, in a fresh process too
+    cpu = _cpu()
+    t = time.perf_counter()
+    tools[name]()
+    rate = len(items) / (time.perf_counter() - t)
+    main, kids = (b - a for a, b in zip(cpu, _cpu()))
+    return {"img_per_s": rate, "main_cpu_s": main, "workers_cpu_s": kids}
+
+
+def convert_fresh(name: str, raw: Path, base: Path, workers: int) -> dict:
+    """One conversion in a new Python process, timed inside the call: how a user's script meets it. glibc's
+    allocator adapts to what a process has allocated and freed, and forked workers inherit that state, so
+    conversions run in this (long-lived) process would all start from a state that no user's script has."""
+    cmd = [sys.executable, __file__, "--convert-one", name, str(base / "items.json"), str(base / _folder(name)),
+           "--raw", str(raw), "--workers", str(workers)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+
+
+def _folder(name: str) -> str:
+    return "conv-" + name.removesuffix(TUNED) + ("-tuned" if name.endswith(TUNED) else "")
+
+
 def conversion(raw: Path, items, base: Path, args) -> dict:
-    tools = {"fastpipe": lambda o: convert_fastpipe(raw, o, args.workers),
-             "litdata": lambda o: convert_litdata(items, o, args.workers),
-             "mosaic": lambda o: convert_mosaic(items, o, args.workers)}
+    (base / "items.json").write_text(json.dumps(items))
 
     def timed(name):
-        out = base / f"conv-{name}"
-        shutil.rmtree(out, ignore_errors=True)
-        cpu = _cpu()
-        t = time.perf_counter()
-        tools[name](out)
-        rate = len(items) / (time.perf_counter() - t)
-        main, workers = (b - a for a, b in zip(cpu, _cpu()))
-        return {"img_per_s": rate, "main_cpu_s": main, "workers_cpu_s": workers}
+        if args.conversion_in_process:
+            return convert_timed(name, raw, items, base / _folder(name), args.workers)
+        return convert_fresh(name, raw, base, args.workers)
+
+    # The bound: this process at its best, the allocator keeping freed memory (as fastpipe's workers do), so that
+    # its rate does not depend on what this process happened to allocate before.
+    reuse_freed_memory()
 
     def bound():  # one process, the same per-image work, no writing: measured in every round, as drift is large
         t = time.perf_counter()
@@ -134,6 +176,8 @@ def conversion(raw: Path, items, base: Path, args) -> dict:
         return {"img_per_s": 60 / (time.perf_counter() - t)}
 
     print("conversion (in-call, same per-image work):", flush=True)
+    tools = ("fastpipe", "litdata", "mosaic") + (() if args.conversion_in_process else
+                                                  ("litdata" + TUNED, "mosaic" + TUNED))
     runs = interleaved({**{k: (lambda k=k: timed(k)) for k in tools}, BOUND: bound}, args.convert_rounds)
     bounds = runs.pop(BOUND)
     res = {k: summary([r["img_per_s"] for r in v]) for k, v in runs.items()}
@@ -142,11 +186,12 @@ def conversion(raw: Path, items, base: Path, args) -> dict:
            for k, v in runs.items()}
     # Ratios of the same round's runs, then their median (drift cancels within a round).
     fp = runs["fastpipe"]
-    return {"rates": res, "cpu_s": cpu, "bound_per_process": summary([b["img_per_s"] for b in bounds]),
+    mode = "in process" if args.conversion_in_process else "a fresh process per conversion"
+    return {"mode": mode, "rates": res, "cpu_s": cpu, "bound_per_process": summary([b["img_per_s"] for b in bounds]),
             "fastpipe_vs_bound": summary([a["img_per_s"] / (args.workers * b["img_per_s"])
                                           for a, b in zip(fp, bounds)]),
             **{f"fastpipe_vs_{k}": summary([a["img_per_s"] / b["img_per_s"] for a, b in zip(fp, runs[k])])
-               for k in ("litdata", "mosaic")}}
+               for k in tools[1:]}}
 
 
 def _cpu() -> tuple[float, float]:
@@ -440,11 +485,12 @@ def _r(v: dict, fmt: str = ".2f") -> str:
 def table(res: dict) -> str:
     c = res["conversion"]
     lines = [f"{res['photos']} photos, {res['workers']} workers (median, range)", "",
-             "conversion, images/s in the call:"]
-    lines += [f"  {k:<12} {_r(v, '.1f')}   CPU s, calling process {c['cpu_s'][k]['main_cpu_s']['median']:.2f}, "
+             f"conversion, images/s in the call ({res['conversion'].get('mode', 'in process')}):"]
+    lines += [f"  {k:<36} {_r(v, '.1f')}   CPU s, calling process {c['cpu_s'][k]['main_cpu_s']['median']:.2f}, "
               f"workers {c['cpu_s'][k]['workers_cpu_s']['median']:.2f}" for k, v in c["rates"].items()]
-    lines += [f"  fastpipe ÷ litdata {_r(c['fastpipe_vs_litdata'])}, ÷ mosaic {_r(c['fastpipe_vs_mosaic'])}, "
-              f"÷ (workers × one-process bound {_r(c['bound_per_process'], '.1f')}) {_r(c['fastpipe_vs_bound'])} "
+    peers = [k for k in c["rates"] if k != "fastpipe"]
+    lines += ["  fastpipe ÷ " + ", ÷ ".join(f"{k} {_r(c[f'fastpipe_vs_{k}'])}" for k in peers)
+              + f", ÷ (workers × one-process bound {_r(c['bound_per_process'], '.1f')}) {_r(c['fastpipe_vs_bound'])} "
               f"(paired rounds); mean/std {c['mean_std_share']:.1%} and hashing {c['hash_share']:.1%} of an "
               f"image's time"]
     if "loading" not in res:
@@ -466,6 +512,11 @@ def table(res: dict) -> str:
 
 if __name__ == "__main__":
     a = parse_args()
+    if a.convert_one:
+        tool, items_json, out_dir = a.convert_one
+        items = [tuple(it) for it in json.loads(Path(items_json).read_text())]
+        print(json.dumps(convert_timed(tool, Path(a.raw), items, Path(out_dir), a.workers)))
+        sys.exit(0)
     result = main(a)
     print(table(result))
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)

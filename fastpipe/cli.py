@@ -100,8 +100,10 @@ def _cmd_demo_data(a) -> int:
 
 def _cmd_shard(a) -> int:
     from fastpipe.convert.driver import ShardConfig, shard
+    from fastpipe.util import reuse_freed_memory
 
     cfg = config_from(a, ShardConfig)
+    reuse_freed_memory()  # the command's own process, which converts every photo itself with --workers 1
     summary = shard(cfg)
     print("\n".join(summary.lines()))
     if cfg.parts > 1:

@@ -294,6 +294,46 @@ def test_the_worker_pool_gives_results_in_order_and_says_when_a_worker_dies(meth
         pool.terminate()
 
 
+def _faults_per_photo(paths: list[str]) -> float:
+    """In a worker: page faults per photo converted, after a first one that grows the heap."""
+    import resource
+
+    from fastpipe.convert.driver import _convert_one
+
+    _convert_one(paths[0])
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for p in paths[1:]:
+        _convert_one(p)
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / (len(paths) - 1)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's allocator")
+def test_conversion_workers_reuse_the_memory_they_free(tmp_path, monkeypatch):
+    """A conversion worker keeps the memory it frees for the next photo (util.reuse_freed_memory). With glibc's
+    defaults a fresh process got each photo's megabyte buffers as new pages, a page fault each: about 950 faults
+    and 14 % of a demo photo's worker CPU (benchmarks/bench_malloc.py). Spawned, so the worker starts cold whatever
+    this test process allocated before; the control is a spawned process without the setting."""
+    import multiprocessing
+
+    from fastpipe.convert import driver, workers
+    from fastpipe.convert.images import ImageSettings
+    from fastpipe.demo import DemoConfig, make_demo_data
+
+    make_demo_data(DemoConfig(tmp_path / "raw", count=8, width=1632, height=1224))
+    paths = sorted(str(p) for p in (tmp_path / "raw").rglob("*.jpg"))
+    args = (ImageSettings(), 1 << 30)
+    monkeypatch.setattr(workers, "pool_context", lambda: multiprocessing.get_context("spawn"))
+    pool = workers.Workers(1, driver._init_worker, args)
+    try:
+        tuned = next(pool.imap(_faults_per_photo, [paths]))
+    finally:
+        pool.terminate()
+    with multiprocessing.get_context("spawn").Pool(1, driver._init_worker, args) as plain:
+        default = plain.apply(_faults_per_photo, (paths,))
+    assert tuned < 100, f"{tuned:.0f} page faults per photo in a conversion worker"
+    assert default > 4 * tuned, (default, tuned)  # the control: what the setting is there for
+
+
 def test_ctrl_c_while_a_shard_closes_leaves_a_folder_the_rerun_resumes(tmp_path, monkeypatch):
     """Ctrl-C between a shard's index and its final name left an index no journal line listed, and the rerun
     refused it as a file fastpipe did not write. Now a shard closes whole (synced, indexed, named, journaled),

@@ -7,7 +7,6 @@ deterministic whatever the worker count. plan.py: the plan, journal.py: resuming
 from __future__ import annotations
 
 import json
-import signal
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -132,13 +131,9 @@ class Summary:
 _SETTINGS: tuple[images.ImageSettings, int] | None = None
 
 
-def _init_worker(settings: images.ImageSettings, max_file_size: int, in_pool: bool = False) -> None:
+def _init_worker(settings: images.ImageSettings, max_file_size: int) -> None:
     global _SETTINGS
     _SETTINGS = (settings, max_file_size)
-    if in_pool:  # Ctrl-C reaches the whole process group: the main process stops the pool and says what to do
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked worker must not keep a caller's handler:
-        # pool.terminate() ends workers with SIGTERM
 
 
 def _convert_one(path: str) -> images.Encoded | images.Rejected:
@@ -206,7 +201,7 @@ class _SplitRun:
 
 
 def _make_pool(workers: int, cfg: ShardConfig) -> Workers:
-    return Workers(workers, _init_worker, (cfg.image_settings(), cfg.max_file_size, True))
+    return Workers(workers, _init_worker, (cfg.image_settings(), cfg.max_file_size))
 
 
 def _guard(cfg: ShardConfig, fingerprints: tuple[str, str], journal: Journal) -> bool:

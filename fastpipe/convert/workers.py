@@ -10,11 +10,12 @@ files that were in flight, and the journal keeps every shard finished before, so
 from __future__ import annotations
 
 import collections
+import signal
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 from fastpipe.errors import FastpipeError
-from fastpipe.util import pool_context
+from fastpipe.util import pool_context, reuse_freed_memory
 
 AHEAD = 2  # tasks queued per worker: one running, one ready, so that a worker never waits for the next
 
@@ -28,8 +29,8 @@ class Workers:
 
     def __init__(self, count: int, initializer, initargs: tuple):
         self.count = count
-        self.executor = ProcessPoolExecutor(count, mp_context=pool_context(), initializer=initializer,
-                                            initargs=initargs)
+        self.executor = ProcessPoolExecutor(count, mp_context=pool_context(), initializer=_start,
+                                            initargs=(initializer, initargs))
         self.executor.submit(int)  # the processes start now (while the main process hashes), not at the first image
 
     def imap(self, fn, items, chunksize: int = 1):
@@ -67,6 +68,16 @@ class Workers:
             p.terminate()
         for p in processes:
             p.join(5)
+
+
+def _start(initializer, initargs: tuple) -> None:
+    """Each worker process's setup: ours alone, so its allocator and signal handlers are ours to set."""
+    reuse_freed_memory()  # 14 % of a photo's worker CPU went to page faults without it
+    # Ctrl-C reaches the whole process group: the main process stops the pool and says what to do
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked worker must not keep a caller's handler: terminate()
+    # ends workers with SIGTERM
+    initializer(*initargs)
 
 
 def _each(fn, chunk: list) -> list:
