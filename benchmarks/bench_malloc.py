@@ -57,7 +57,9 @@ def run(args, variant: str, out: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, __file__, "--one", variant, "--raw", args.raw, "--out", str(out),
            "--workers", str(args.workers)]
-    done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"the {variant!r} run failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -9,6 +9,8 @@ The peers live in the benchmark's own environment, never in fastpipe's dependenc
 rounds with its range; each round runs every variant once, in a shuffled order, so drift in the machine's speed
 hits all alike. Work per image: conversion = fastpipe's own per-image step (decode, EXIF, downsample to 320 px,
 JPEG encode) for every tool; loading = random-resized-crop 224 + flip → uint8, batch 64, `--workers` workers.
+The conversion part sets this process's allocator as fastpipe's conversion workers have it
+(`util.reuse_freed_memory`, for the one-process bound); every tool's loader workers, forked after, inherit it.
 """
 
 from __future__ import annotations
@@ -149,8 +151,10 @@ def convert_fresh(name: str, raw: Path, base: Path, workers: int) -> dict:
     conversions run in this (long-lived) process would all start from a state that no user's script has."""
     cmd = [sys.executable, __file__, "--convert-one", name, str(base / "items.json"), str(base / _folder(name)),
            "--raw", str(raw), "--workers", str(workers)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{name} conversion failed:\n{done.stderr[-3000:]}")
+    return json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
 
 
 def _folder(name: str) -> str:

@@ -191,7 +191,7 @@ def reuse_freed_memory(mmap_below: int = 32 << 20, keep_up_to: int = 128 << 20) 
     fault. Measured by benchmarks/bench_malloc.py, `shard()` called from a fresh process: 946 page faults and
     12.8 ms of worker CPU per demo photo with glibc's defaults, 48 and 11.0 ms with this, 1.17x the images/s.
     Whether the defaults cost that depends on what the process had allocated before it forked, so it came and
-    went by chance (the CLI's workers happened to escape it). Allocations of `mmap_below` and more still get
+    went by chance (in by-hand runs the CLI's workers escaped it). Allocations of `mmap_below` and more still get
     their own mapping, and at most `keep_up_to` bytes of free heap are kept, so a worker that met one huge image
     does not hold its memory for good. False (and nothing changed) outside glibc.
 

@@ -307,7 +307,17 @@ def _faults_per_photo(paths: list[str]) -> float:
     return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / (len(paths) - 1)
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="glibc's allocator")
+def test_the_allocator_setting_is_left_alone_outside_glibc(monkeypatch):
+    """musl, macOS, Windows: no mallopt to call, nothing changed, and the conversion goes on."""
+    import platform
+
+    from fastpipe.util import reuse_freed_memory
+
+    monkeypatch.setattr(platform, "libc_ver", lambda *a, **k: ("", ""))
+    assert reuse_freed_memory() is False
+
+
+@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="glibc's allocator")
 def test_conversion_workers_reuse_the_memory_they_free(tmp_path, monkeypatch):
     """A conversion worker keeps the memory it frees for the next photo (util.reuse_freed_memory). With glibc's
     defaults a fresh process got each photo's megabyte buffers as new pages, a page fault each: about 950 faults
