@@ -157,7 +157,7 @@ def main(args) -> dict:
     try:
         per_core = bound(out, args.image_size)
         best = max(per_core.values())
-        rows = {}
+        rows, failed = {}, {}
         for workers in [int(w) for w in args.workers.split(",")]:
             args.workers_now = workers
             for name, factory in variants(out, args, workers).items():
@@ -165,6 +165,10 @@ def main(args) -> dict:
                     rows[f"{name} [{workers}w]"] = r = run_variant(factory, args)
                 except ImportError as e:
                     print(f"skipped {name}: {e}")
+                    continue
+                except Exception as e:  # one variant's failure (e.g. webdataset: fewer shards than workers)
+                    failed[f"{name} [{workers}w]"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+                    print(f"FAILED {name} [{workers}w]: {failed[f'{name} [{workers}w]']}")
                     continue
                 finally:
                     gc.collect()  # free DALI pipelines before the next variant forks its workers
@@ -182,7 +186,7 @@ def main(args) -> dict:
                                                        "torch": torch.__version__, "device": args.device},
                   "settings": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
                   "train_samples": m.splits["train"].samples, "stored_short_side": m.settings.get("short_side"),
-                  "bound_per_core_img_per_s": per_core, "rows": rows}
+                  "bound_per_core_img_per_s": per_core, "rows": rows, "failed": failed}
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(result, indent=2))
@@ -197,4 +201,5 @@ def main(args) -> dict:
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    # Every variant that ran is written down; a failed one still fails the command, so it is never missed.
+    raise SystemExit(1 if main(parse_args())["failed"] else 0)

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # GPU checks in one go (about 8 minutes on one GPU): the gpu-marked tests, then `fastpipe bench` on demo data for
 # resnet18 and resnet50 with the torch, nvjpeg and DALI backends, the loader benchmark, the cost of each device
-# augmentation against a ResNet-50 fp16 step at batch 256 (target: under 5 %) and a memory report.
+# augmentation against a ResNet-50 fp16 step at batch 256 (target: under 5 %), `fastpipe memory`'s predictions
+# against measured peaks, and a memory report.
 #   scripts/gpu_check.sh OUTDIR
-# Writes at most 10 files into OUTDIR: log.txt (everything, with a summary at the end), bench-resnet18.{json,png},
-# bench-resnet50.{json,png}, loaders.{json,png}, augment.{json,png}, memory.json. Works with the machine's own python3 and
-# PYTHONPATH=. (no .venv needed); wheels in .whl/ (scripts/gpu_wheels.sh) are installed first when present.
+# Writes into OUTDIR: log.txt (everything, with a summary at the end), bench-resnet18.{json,png},
+# bench-resnet50.{json,png}, loaders.{json,png}, augment.{json,png}, memory-vs-measured.{json,png}, memory.json, and
+# all of them in results.tgz (the device tool brings back 8 files at most: take that one). Works with the machine's
+# own python3 and PYTHONPATH=. (no .venv needed); wheels in .whl/ (scripts/gpu_wheels.sh) are installed first when present.
 # What is missing (DALI, webdataset, pytest) is skipped with the reason in the log, never silently.
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
@@ -24,6 +26,8 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 SUMMARY=()
 note() { echo "$*" | tee -a "$LOG"; SUMMARY+=("$*"); }
+mark() { wc -l < "$LOG"; }  # a step's summary greps only the lines the step wrote
+since() { tail -n +$(( $1 + 1 )) "$LOG" | grep -E "$2" | tail -1; }
 has() { $PY -c "import $1" 2>/dev/null; }
 # The whole script stays within GPU_CHECK_SECONDS (default 540: under the device tool's 10-minute call limit):
 # each step gets at most what is left, and a step with under 15 s left is skipped, saying so.
@@ -42,25 +46,26 @@ has webdataset || note "SKIP webdataset-only tests and the docs-pipeline baselin
 
 # 1. gpu-marked tests
 if has pytest; then
-  run 240 $PY -m pytest -m gpu -q -p no:cacheprovider tests/; rc=$?
-  note "gpu tests: exit $rc ($(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$LOG" | tail -1))"
+  m=$(mark); run 240 $PY -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/; rc=$?
+  note "gpu tests: exit $rc ($(since "$m" '(passed|failed|skipped|error)'))"
 else
   note "SKIP gpu tests: pytest is not installed here"
 fi
 
-# 2. demo data at full resolution, converted once (16 cores: about a minute)
+# 2. demo data at full resolution, converted once (16 cores: about a minute); small shards, so that each of the
+# loader benchmark's 8 workers has one (webdataset's own pipeline fails with fewer shards than workers)
 DATA=/tmp/fp-gpu
 if [ ! -f "$DATA/shards/dataset.json" ]; then
   run 200 $PY -m fastpipe demo-data "$DATA/raw" --count 400 && \
-  run 120 $PY -m fastpipe shard "$DATA/raw" "$DATA/shards" --max-shard-size 16MB
+  run 120 $PY -m fastpipe shard "$DATA/raw" "$DATA/shards" --max-shard-size 512KB
 fi
 note "shards: $($PY -c "from fastpipe.manifest import load; m=load('$DATA/shards'); print({k: v.samples for k, v in m.splits.items()})" 2>&1)"
 
 # 3. loader or GPU? resnet18 and resnet50, every backend
 for model in resnet18 resnet50; do
-  run 150 $PY -m fastpipe bench "$DATA/shards" --model "$model" --backend torch,nvjpeg,dali --batch-size 128 \
-    --steps 15 --json "$OUT/bench-$model.json" --plot "$OUT/bench-$model.png"
-  note "bench $model: exit $? $(grep -E '^(loader-bound|device-bound|balanced)' "$LOG" | tail -1)"
+  m=$(mark); run 150 $PY -m fastpipe bench "$DATA/shards" --model "$model" --backend torch,nvjpeg,dali \
+    --batch-size 128 --steps 15 --json "$OUT/bench-$model.json" --plot "$OUT/bench-$model.png"
+  note "bench $model: exit $? $(since "$m" '^(loader-bound|device-bound|balanced)')"
 done
 
 # 4. loaders alone (GPU rows included) and the memory report
@@ -70,9 +75,13 @@ run 120 $PY benchmarks/bench_loaders.py --shards "$DATA/shards" --workers 8 --wi
 note "loader benchmark: exit $?"
 run 120 $PY benchmarks/bench_augment.py --json "$OUT/augment.json" --plot "$OUT/augment.png"
 note "augmentation cost: exit $? $($PY -c "import json; r=json.load(open('$OUT/augment.json')); print('; '.join(f\"{x['augment']} {x['share_of_step']:.1%}\" for x in r['rows'][1:]))" 2>&1)"
+m=$(mark); run 150 $PY benchmarks/bench_memory.py --models resnet18,resnet50,convnext_tiny,vit_b_16 --amp fp16,off \
+  --json "$OUT/memory-vs-measured.json" --plot "$OUT/memory-vs-measured.png"
+note "memory predicted vs measured: exit $? ($(grep -c 'b=' <(tail -n +$((m + 1)) "$LOG")) rows)"
 run 90 $PY -m fastpipe memory --model resnet50 --batch-size 128 --amp fp16 --gpu-memory 8GB --json "$OUT/memory.json"
 note "memory report: exit $?"
 
 echo "== summary" >>"$LOG"
 printf '%s\n' "${SUMMARY[@]}" | tee -a "$LOG" >/dev/null
+tar czf "$OUT/results.tgz" -C "$OUT" --exclude results.tgz . 2>>"$LOG"
 echo "results in $OUT"
