@@ -16,12 +16,12 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from fastpipe.bench.timing import spread
 from fastpipe.shardformat import tar_header
 from fastpipe.storage import Remote
 from fastpipe.util import read_regular
@@ -87,9 +87,6 @@ def header_us(make, n: int = 20_000) -> float:
     return (time.perf_counter() - t) / n * 1e6
 
 
-def summary(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "low": min(xs), "high": max(xs), "n": len(xs)}
-
 
 def main(args) -> dict:
     sys.path.insert(0, str(Path(__file__).parent))
@@ -111,7 +108,7 @@ def main(args) -> dict:
             runs["tarfile_header_us"].append(header_us(tarfile_header))
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in runs.items()), flush=True)
     result = {"files": len(files), "mb_per_file": sum(f.stat().st_size for f in files) / len(files) / 1e6,
-              "range_parts": len(parts), "cpus": os.cpu_count(), **{k: summary(v) for k, v in runs.items()}}
+              "range_parts": len(parts), "cpus": os.cpu_count(), **{k: spread(v) for k, v in runs.items()}}
     print(json.dumps(result, indent=1))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))

@@ -16,12 +16,12 @@ import json
 import random
 import resource
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from fastpipe.bench.timing import run_fresh, spread
 
 VARIANTS = ("glibc default", "reuse_freed_memory")
 
@@ -55,16 +55,9 @@ def one(args) -> dict:
 
 def run(args, variant: str, out: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, __file__, "--one", variant, "--raw", args.raw, "--out", str(out),
-           "--workers", str(args.workers)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"the {variant!r} run failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_fresh([__file__, "--one", variant, "--raw", args.raw, "--out", str(out), "--workers",
+                      str(args.workers)], f"the {variant!r} run")
 
-
-def summary(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "low": min(values), "high": max(values), "n": len(values)}
 
 
 def main(args) -> dict:
@@ -79,9 +72,9 @@ def main(args) -> dict:
             for v in rng.sample(VARIANTS, len(VARIANTS)):
                 runs[v].append(run(args, v, Path(tmp) / "out"))
             print(f"  round {r + 1}/{args.rounds}", flush=True)
-    res = {v: {k: summary([x[k] for x in rs]) for k in rs[0]} for v, rs in runs.items()}
+    res = {v: {k: spread([x[k] for x in rs]) for k in rs[0]} for v, rs in runs.items()}
     ratios = [b["img_per_s"] / a["img_per_s"] for a, b in zip(*runs.values())]
-    return {"workers": args.workers, "rounds": args.rounds, "variants": res, "speedup": summary(ratios)}
+    return {"workers": args.workers, "rounds": args.rounds, "variants": res, "speedup": spread(ratios)}
 
 
 def table(res: dict) -> str:

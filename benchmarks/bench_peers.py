@@ -23,8 +23,6 @@ import multiprocessing
 import random
 import resource
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fastpipe.bench.timing import run_fresh, spread
 from fastpipe.convert.images import Encoded, ImageSettings, process
 from fastpipe.loaders import cpu_ops
 from fastpipe.util import reuse_freed_memory
@@ -58,9 +57,6 @@ def parse_args(argv=None):
     ap.add_argument("--convert-one", nargs=3, help=argparse.SUPPRESS)  # TOOL ITEMS_JSON OUT: one conversion
     return ap.parse_args(argv)
 
-
-def summary(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "low": min(values), "high": max(values), "n": len(values)}
 
 
 def interleaved(variants: dict, rounds: int, seed: int = 0) -> dict[str, list]:
@@ -149,12 +145,8 @@ def convert_fresh(name: str, raw: Path, base: Path, workers: int) -> dict:
     """One conversion in a new Python process, timed inside the call: how a user's script meets it. glibc's
     allocator adapts to what a process has allocated and freed, and forked workers inherit that state, so
     conversions run in this (long-lived) process would all start from a state that no user's script has."""
-    cmd = [sys.executable, __file__, "--convert-one", name, str(base / "items.json"), str(base / _folder(name)),
-           "--raw", str(raw), "--workers", str(workers)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"{name} conversion failed:\n{done.stderr[-3000:]}")
-    return json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+    return run_fresh([__file__, "--convert-one", name, str(base / "items.json"), str(base / _folder(name)),
+                      "--raw", str(raw), "--workers", str(workers)], f"{name} conversion")
 
 
 def _folder(name: str) -> str:
@@ -173,28 +165,30 @@ def conversion(raw: Path, items, base: Path, args) -> dict:
     # its rate does not depend on what this process happened to allocate before.
     reuse_freed_memory()
 
-    def bound():  # one process, the same per-image work, no writing: measured in every round, as drift is large
+    def bound():  # one process, the same per-image work, no writing: measured in every round, as drift is large.
+        # Every photo the tools convert: the first 60 by path (what it once took) are one or two classes, and a
+        # class's photos can decode 15 % faster or slower than another's.
         t = time.perf_counter()
-        for it in items[:60]:
+        for it in items:
             convert_one(it)
-        return {"img_per_s": 60 / (time.perf_counter() - t)}
+        return {"img_per_s": len(items) / (time.perf_counter() - t)}
 
     print("conversion (in-call, same per-image work):", flush=True)
     tools = ("fastpipe", "litdata", "mosaic") + (() if args.conversion_in_process else
                                                   ("litdata" + TUNED, "mosaic" + TUNED))
     runs = interleaved({**{k: (lambda k=k: timed(k)) for k in tools}, BOUND: bound}, args.convert_rounds)
     bounds = runs.pop(BOUND)
-    res = {k: summary([r["img_per_s"] for r in v]) for k, v in runs.items()}
+    res = {k: spread([r["img_per_s"] for r in v]) for k, v in runs.items()}
     # Where the CPU went: on cores that all convert, the calling process's CPU comes out of the workers' time
-    cpu = {k: {part: summary([r[part] for r in v]) for part in ("main_cpu_s", "workers_cpu_s")}
+    cpu = {k: {part: spread([r[part] for r in v]) for part in ("main_cpu_s", "workers_cpu_s")}
            for k, v in runs.items()}
     # Ratios of the same round's runs, then their median (drift cancels within a round).
     fp = runs["fastpipe"]
     mode = "in process" if args.conversion_in_process else "a fresh process per conversion"
-    return {"mode": mode, "rates": res, "cpu_s": cpu, "bound_per_process": summary([b["img_per_s"] for b in bounds]),
-            "fastpipe_vs_bound": summary([a["img_per_s"] / (args.workers * b["img_per_s"])
+    return {"mode": mode, "rates": res, "cpu_s": cpu, "bound_per_process": spread([b["img_per_s"] for b in bounds]),
+            "fastpipe_vs_bound": spread([a["img_per_s"] / (args.workers * b["img_per_s"])
                                           for a, b in zip(fp, bounds)]),
-            **{f"fastpipe_vs_{k}": summary([a["img_per_s"] / b["img_per_s"] for a, b in zip(fp, runs[k])])
+            **{f"fastpipe_vs_{k}": spread([a["img_per_s"] / b["img_per_s"] for a, b in zip(fp, runs[k])])
                for k in tools[1:]}}
 
 
@@ -453,20 +447,20 @@ def main(args) -> dict:
 
 def report(args, conv, over, mach, load_runs, photos_n) -> dict:
     bound = load_runs.pop(BOUND)
-    rate = {k: summary([r["img_per_s"] for r in v]) for k, v in load_runs.items()}
-    first = {k: summary([r["first_epoch_s"] for r in v]) for k, v in load_runs.items()}
+    rate = {k: spread([r["img_per_s"] for r in v]) for k, v in load_runs.items()}
+    first = {k: spread([r["first_epoch_s"] for r in v]) for k, v in load_runs.items()}
     # Ratios of paired rounds (the same round's runs), then their median: drift cancels within a round.
-    paired = {k: summary([a["img_per_s"] / b["img_per_s"] for a, b in zip(load_runs["fastpipe"], v)])
+    paired = {k: spread([a["img_per_s"] / b["img_per_s"] for a, b in zip(load_runs["fastpipe"], v)])
               for k, v in load_runs.items() if k != "fastpipe"}
-    vs_bound = summary([a["img_per_s"] / (args.workers * b["img_per_s"]) for a, b in zip(load_runs["fastpipe"], bound)])
-    first_vs = {k: summary([b["first_epoch_s"] / a["first_epoch_s"] for a, b in zip(load_runs["fastpipe"], v)])
+    vs_bound = spread([a["img_per_s"] / (args.workers * b["img_per_s"]) for a, b in zip(load_runs["fastpipe"], bound)])
+    first_vs = {k: spread([b["first_epoch_s"] / a["first_epoch_s"] for a, b in zip(load_runs["fastpipe"], v)])
                 for k, v in load_runs.items() if k != "fastpipe"}
     return {"photos": photos_n, "workers": args.workers, "rounds": args.rounds, "batch": BATCH, "size": SIZE,
             "conversion": {**conv, **over},
-            "machinery_us": {k: summary(v) for k, v in mach.items()},
+            "machinery_us": {k: spread(v) for k, v in mach.items()},
             "loading": {"img_per_s": rate, "first_epoch_s": first, "fastpipe_over_peer": paired,
                         "peer_first_epoch_over_fastpipe": first_vs,
-                        "bound_per_process": summary([b["img_per_s"] for b in bound]), "fastpipe_vs_bound": vs_bound},
+                        "bound_per_process": spread([b["img_per_s"] for b in bound]), "fastpipe_vs_bound": vs_bound},
             "versions": _versions()}
 
 

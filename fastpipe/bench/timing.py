@@ -4,8 +4,11 @@ budget that is kept (warm-up included; the number of windows shrinks when single
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -54,6 +57,21 @@ class Budget:
         if self.total is None:
             return f"{self.left} measurements, no time limit"
         return f"{self.left} measurements within {self.total:.0f} s (--max-seconds)"
+
+
+def spread(values: list[float]) -> dict:
+    """Repeated runs of one variant: their median and range (benchmarks report both, never a best run)."""
+    return {"median": statistics.median(values), "low": min(values), "high": max(values), "n": len(values)}
+
+
+def run_fresh(args: list[str], what: str) -> dict:
+    """`python ARGS` in a new process, which prints its result as the last JSON line; a failure stops the
+    benchmark with the child's error. For runs that must not inherit this process's state (glibc's allocator
+    adapts to what a process allocated and freed, and forked workers inherit that)."""
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{what} failed:\n{done.stderr[-3000:]}")
+    return json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
 
 
 def endless(make_epoch: Callable[[int], Iterable]) -> Iterator:
