@@ -58,6 +58,14 @@ def error(row: dict, key: str) -> float | None:
     return (row[key] - m) / m if isinstance(m, float) and row[key] is not None else None
 
 
+def _mb(v) -> str:
+    return f"{v:,.0f} MB" if isinstance(v, float) else str(v)
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{v:+.1%}"
+
+
 def plot(rows: list[dict], path: str) -> None:
     import matplotlib
 
@@ -86,10 +94,10 @@ def main(argv=None) -> None:
             t = time.perf_counter()
             rows += measure(model, amp, batches, a.image_size)
             for r in rows[-len(batches):]:
-                e, c = error(r, "predicted_cuda"), error(r, "predicted_cpu")
-                print(f"{model:16} {amp:5} b={r['batch']:<4} measured {r['measured']}  predicted "
-                      f"{r['predicted_cuda']} ({e if e is None else f'{e:+.1%}'})  cpu {r['predicted_cpu']:.0f} "
-                      f"({c if c is None else f'{c:+.1%}'})  [{time.perf_counter() - t:.0f} s]", flush=True)
+                print(f"{model:16} {amp:5} b={r['batch']:<4} measured {_mb(r['measured'])}, predicted on the GPU "
+                      f"{_mb(r['predicted_cuda'])} ({_pct(error(r, 'predicted_cuda'))}), on a CPU "
+                      f"{_mb(r['predicted_cpu'])} ({_pct(error(r, 'predicted_cpu'))})  "
+                      f"[{time.perf_counter() - t:.0f} s]", flush=True)
     for r in rows:
         r["error_cuda"], r["error_cpu"] = error(r, "predicted_cuda"), error(r, "predicted_cpu")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu only"
