@@ -87,7 +87,6 @@ def header_us(make, n: int = 20_000) -> float:
     return (time.perf_counter() - t) / n * 1e6
 
 
-
 def main(args) -> dict:
     sys.path.insert(0, str(Path(__file__).parent))
     from bench_remote import served

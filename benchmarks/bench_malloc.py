@@ -59,7 +59,6 @@ def run(args, variant: str, out: Path) -> dict:
                       str(args.workers)], f"the {variant!r} run")
 
 
-
 def main(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="fp-bench-malloc-") as tmp:
         if not args.raw:

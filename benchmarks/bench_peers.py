@@ -58,7 +58,6 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-
 def interleaved(variants: dict, rounds: int, seed: int = 0) -> dict[str, list]:
     """Every variant once per round, in a shuffled order; each call returns a dict of figures."""
     out: dict[str, list] = {k: [] for k in variants}

@@ -91,7 +91,6 @@ def run(args, kind: str, out: Path) -> dict:
                      f"the {kind} run")
 
 
-
 def main(args) -> dict:
     rng, runs = random.Random(0), {k: [] for k in KINDS}
     with tempfile.TemporaryDirectory(prefix="fp-profile-convert-") as tmp:
