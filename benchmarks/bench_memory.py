@@ -37,15 +37,16 @@ def parse_args(argv=None):
 
 def measure(model: str, amp: str, batches: list[int], size: int) -> list[dict]:
     base = MemoryConfig(model=model, image_size=size, amp=amp, num_classes=1000, device="cpu")
+    on_gpu = replace(base, device="cuda")
     cpu = analyse(base, techniques=False)
-    gpu = analyse(replace(base, device="cuda"), techniques=False) if torch.cuda.is_available() else None
+    gpu = analyse(on_gpu, techniques=False) if torch.cuda.is_available() else None
     rows = []
     for b in batches:
         row = {"model": model, "amp": amp, "batch": b, "predicted_cpu": cpu.total_mb(b),
                "predicted_cuda": gpu.total_mb(b) if gpu else None, "measured": None}
         if gpu:
             try:
-                row["measured"] = cuda_peak(replace(base, device="cuda", amp=amp), b, torch.device("cuda")) / MB
+                row["measured"] = cuda_peak(on_gpu, b, torch.device("cuda")) / MB
             except torch.OutOfMemoryError:
                 row["measured"] = "out of memory"
                 torch.cuda.empty_cache()

@@ -106,8 +106,13 @@ def main(args) -> dict:
     return {"workers": args.workers, "rounds": args.rounds, "images": shards[0]["images"],
             "img_per_s": spread([s["img_per_s"] for s in shards]), "bound_img_per_s": spread(bounds),
             "vs_workers_x_bound": per, "phases_s": phases, "phase_share_of_wall": shares,
-            "worker_busy_in_convert": spread([s["worker_busy_in_convert"] for s in shards
-                                               if s["worker_busy_in_convert"] is not None] or [float("nan")])}
+            "worker_busy_in_convert": _spread_known([s["worker_busy_in_convert"] for s in shards])}
+
+
+def _spread_known(values: list) -> dict | None:
+    """None where there was nothing to measure (one worker: `shard` converts in the calling process)."""
+    known = [v for v in values if v is not None]
+    return spread(known) if known else None
 
 
 def table(res: dict) -> str:
@@ -123,7 +128,10 @@ def table(res: dict) -> str:
     lines += [f"÷ (workers x bound): whole call {r(v['img_per_s'])}; conversion phase alone "
               f"{r(v['convert_phase_img_per_s'])}; without hash and finish phases (arithmetic) "
               f"{r(v['without_hash_and_finish_img_per_s'])}",
-              f"workers busy during the conversion phase: {r(res['worker_busy_in_convert'], '.1%')}"]
+              "workers busy during the conversion phase: " + (r(res["worker_busy_in_convert"], ".1%")
+                                                               if res["worker_busy_in_convert"] else
+                                                               "no worker processes (one worker converts in the "
+                                                               "calling process)")]
     return "\n".join(lines)
 
 

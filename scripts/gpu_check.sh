@@ -83,5 +83,6 @@ note "memory report: exit $?"
 
 echo "== summary" >>"$LOG"
 printf '%s\n' "${SUMMARY[@]}" | tee -a "$LOG" >/dev/null
-tar czf "$OUT/results.tgz" -C "$OUT" --exclude results.tgz . 2>>"$LOG"
+# written beside OUT, then moved in: an archive growing inside the folder it reads makes tar fail
+PACK=$(mktemp) && tar czf "$PACK" -C "$OUT" . 2>>"$LOG" && mv "$PACK" "$OUT/results.tgz"
 echo "results in $OUT"

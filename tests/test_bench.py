@@ -125,3 +125,13 @@ def test_cli_bench_shows_the_augmentation_share(converted, tmp_path):
     assert 0 < row["augment_share"] <= 1 and row["augment_only"]["ms_per_batch"] > 0
     bad = subprocess.run([*base, "--augment", "randaug:2:9,blur"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "blur" in bad.stderr and "mixup" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_fresh_process_run_returns_its_json_or_stops_with_its_error():
+    """Benchmarks run conversions in fresh processes: the result is the last JSON line, whatever else the child
+    printed; a failure stops the benchmark with the child's own error, not 'exit status 1'."""
+    from fastpipe.bench.timing import run_fresh
+
+    assert run_fresh(["-c", "print('progress'); print('{\"img_per_s\": 5}')"], "a run") == {"img_per_s": 5}
+    with pytest.raises(SystemExit, match=r"(?s)the shard run failed.*no such folder: /nowhere"):
+        run_fresh(["-c", "raise FileNotFoundError('no such folder: /nowhere')"], "the shard run")
