@@ -144,6 +144,21 @@ def check_pillow() -> list[Check]:
     return checks
 
 
+def check_decoder() -> Check:
+    """Which JPEG decoder the torch backend's workers run: the crop-aware one, or why not."""
+    from fastpipe.loaders import cpu_ops, jpegcrop
+
+    found = cpu_ops.active()
+    if jpegcrop.ext is not None and cpu_ops.cv2 is not None:
+        return Check("OK", "CPU JPEG decoder", found)
+    if jpegcrop.ext is not None:
+        return Check("WARN", "CPU JPEG decoder", found, "pip install opencv-python-headless simplejpeg")
+    return Check("WARN", "CPU JPEG decoder", found,
+                 "install a C compiler and libjpeg-turbo's headers (Debian/Ubuntu: apt-get install gcc "
+                 "libjpeg62-turbo-dev; scripts/setup.sh does it), then reinstall fastpipe (pip install -e .): the "
+                 "crop-aware decoder decodes only the crop (docs/decode.md)")
+
+
 def check_cpu() -> Check:
     from fastpipe.loaders.workers import heuristic_workers
     from fastpipe.util import usable_cores
@@ -213,7 +228,7 @@ def _probe_endpoint(variable: str, endpoint: str, scheme: str) -> Check:
 def collect() -> list[Check]:
     gpus = nvidia_smi()
     return [check_python(), *check_torch(gpus), check_driver(gpus), *check_packages(), check_dali(),
-            *check_pillow(), check_cpu(), check_shm(), *check_remote()]
+            *check_pillow(), check_decoder(), check_cpu(), check_shm(), *check_remote()]
 
 
 def run_doctor() -> int:

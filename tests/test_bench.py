@@ -12,6 +12,7 @@ from PIL import Image
 
 from fastpipe.bench.harness import BenchConfig, run_one, run_sweep, verdict
 from fastpipe.bench.report import plot, table, write_json
+from fastpipe.loaders import cpu_ops
 
 QUICK = dict(steps=2, windows=2, warmup=1, device="cpu")
 
@@ -78,6 +79,7 @@ def test_sweep_rows_json_and_plot(converted, tmp_path, monkeypatch):
             assert {"img_per_s", "low", "high", "windows", "cpu_pct"} <= set(r[key])
         assert r["verdict"] in ("loader-bound", "device-bound", "balanced") and r["verdict_text"]
         assert r["config"]["device"] == "cpu" and r["config"]["amp"] == "off"
+        assert r["decoder"] == cpu_ops.active()  # which JPEG decoder the figures are of
     assert result["best"]["backend"] == "torch" and result["machine"]["torch"]
     # Model-only is measured once and shared, so rows differ only by their loader; progress was shown.
     assert done[0]["model_only"] is done[1]["model_only"]

@@ -241,7 +241,8 @@ def run_sweep(cfg: BenchConfig, sweep: dict[str, list] | None = None, log=None) 
             continue
         log(f"  loader only: {_fmt(lo)}; end to end: {_fmt(e2e)}")
         mo = model_rates[c.model_key()]
-        row = {"config": asdict(c), "loader_workers": getattr(loader, "num_workers", None), "loader_only": lo,
+        row = {"config": asdict(c), "loader_workers": getattr(loader, "num_workers", None),
+               "decoder": loader.describe().get("decoder"), "loader_only": lo,
                "model_only": mo, "end_to_end": e2e,
                **verdict(lo["img_per_s"], mo["img_per_s"], e2e["img_per_s"], e2e["data_wait"])}
         if c.model_key() in aug_rates:  # the share of an end-to-end step the augmentation takes

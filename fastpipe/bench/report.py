@@ -32,6 +32,8 @@ def table(result: dict) -> str:
     if done:
         best = max(done, key=lambda r: r["end_to_end"]["img_per_s"])
         lines += ["", best["verdict_text"]]
+        if best.get("decoder"):
+            lines.append(f"JPEG decoder: {best['decoder']}")
         if "augment_share" in best:
             lines.append(f"augmentation ({best['config']['augment']}) adds {best['augment_only']['ms_per_batch']:.1f} "
                          f"ms per batch: {best['augment_share']:.0%} of each end-to-end step")

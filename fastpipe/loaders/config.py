@@ -32,7 +32,9 @@ class LoaderConfig:
     pin_memory: bool | None = None  # None: on when the device is CUDA
     min_scale: float = 0.08  # RandomResizedCrop's area range lower bound (torchvision's default)
     val_crop: float = 0.875  # val: resize the short side to image_size / val_crop, then centre crop
-    cpu_decoder: str = "auto"  # torch backend: "simplejpeg" (+ OpenCV), "pillow", or auto (the first, else Pillow)
+    # torch backend: "crop" (the C extension + OpenCV), "simplejpeg" (+ OpenCV), "pillow", or auto (crop when built,
+    # else simplejpeg; each falls back to the next per file: cpu_ops.py). nvjpeg without a GPU decodes with auto.
+    cpu_decoder: str = "auto"
     # No longer needed (accepted, with a DeprecationWarning): the torch backend reuses its batch buffers by default,
     # safely, each once the batch handed out in it has been dropped (loaders/batch.py, BufferPool.lend).
     reuse_output: bool = False
@@ -59,8 +61,12 @@ class LoaderConfig:
     def validate(self) -> None:
         if self.split not in SPLITS:
             raise ConfigError(f"split={self.split!r}: use one of {SPLITS}")
-        if self.cpu_decoder not in ("auto", "simplejpeg", "pillow"):
-            raise ConfigError(f"cpu_decoder={self.cpu_decoder!r}: use auto, simplejpeg or pillow")
+        if self.cpu_decoder not in ("auto", "crop", "simplejpeg", "pillow"):
+            raise ConfigError(f"cpu_decoder={self.cpu_decoder!r}: use auto, crop, simplejpeg or pillow")
+        if self.cpu_decoder == "crop":
+            from fastpipe.loaders import jpegcrop
+
+            jpegcrop.require()  # refused here, with the reason and the fix, not in a worker on the first sample
         if self.on_error not in ON_ERROR:
             raise ConfigError(f"on_error={self.on_error!r}: use one of {ON_ERROR}")
         if self.batch_size < 1 or self.image_size < 8:

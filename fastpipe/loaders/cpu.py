@@ -1,8 +1,10 @@
-"""torch backend: DataLoader workers decode and augment on the CPU (simplejpeg + OpenCV on uint8, cpu_ops.py)
-straight into shared-memory batch buffers that are recycled once the main process has copied them out."""
+"""torch backend: DataLoader workers decode and augment on the CPU (the crop decoder or simplejpeg, + OpenCV on
+uint8: cpu_ops.py) straight into shared-memory batch buffers that are recycled once the main process has copied
+them out."""
 
 from __future__ import annotations
 
+from fastpipe.loaders import cpu_ops
 from fastpipe.loaders.batch import BufferPool, HostBatch
 from fastpipe.loaders.prepare import CpuDecode
 from fastpipe.loaders.stream import StreamLoader
@@ -18,6 +20,9 @@ class TorchLoader(StreamLoader):
         self.hands_out_buffer = self.device.type == "cpu" and not self.cfg.normalize
         self.buffers = BufferPool(self.num_workers, self.prefetch + 2, self.cfg.batch_size, self.cfg.image_size)
         return CpuDecode(self.cfg, self.num_classes, self.manifest.multilabel, self.buffers)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "decoder": cpu_ops.active(self.cfg.cpu_decoder)}
 
     def batch_bytes(self) -> int:
         return self.cfg.batch_size * self.cfg.image_size**2 * 3

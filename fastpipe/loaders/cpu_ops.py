@@ -1,12 +1,16 @@
 """Decode + crop + flip on uint8, on the CPU, one sample at a time (the loader workers' hot path).
 
-Two decoders, same random draws, same output (uint8 HWC; the float conversion and normalisation happen on
+Three decoders, same random draws, same output (uint8 HWC; the float conversion and normalisation happen on
 the device, where they are free and the copy is 4x smaller):
+- "crop": fastpipe's C extension (jpegcrop.py) decodes only the box's part of the JPEG, DCT-scaled to 1/2, 1/4
+  or 1/8 when the box is at least twice the output, then cv2.resize and cv2.flip as below. Its box pixels are
+  those of a full decode; where it is not built, "auto" goes on with the next.
 - "simplejpeg": libjpeg-turbo through simplejpeg, crop as a NumPy view, cv2.resize (INTER_AREA when
-  shrinking) and cv2.flip — the fastest per-core path measured here (DESIGN.md; benchmarks/bench_loaders.py).
+  shrinking) and cv2.flip — the fastest full-decode path measured here (benchmarks/bench_loaders.py).
 - "pillow": one `Image.resize(box=...)` call after JPEG DCT scaling; for non-JPEG images, for colour spaces
-  simplejpeg does not convert (CMYK), and where simplejpeg/OpenCV are not installed.
-"auto" uses the first and falls back to the second per sample.
+  neither libjpeg path converts (CMYK), and where simplejpeg/OpenCV are not installed.
+"auto" uses the first that can take each file and falls back to the next when it fails on it, so a sample
+decodes (or fails) as it did with the full-decode path alone.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ import numpy as np
 from PIL import Image
 
 from fastpipe.errors import MissingDependency
+from fastpipe.loaders import jpegcrop
 
 RESAMPLE = Image.Resampling.BILINEAR  # Pillow's bilinear is antialiased when shrinking, like torchvision's
-DECODERS = ("auto", "simplejpeg", "pillow")
+DECODERS = ("auto", "crop", "simplejpeg", "pillow")
 
 try:
     import cv2
@@ -82,6 +87,14 @@ def _crop_resize(im: Image.Image, box, size: int) -> np.ndarray:
     return np.asarray(im.resize((size, size), RESAMPLE, box=box))
 
 
+def _resize_flip(crop: np.ndarray, size: int, flip: bool, out: np.ndarray | None) -> np.ndarray:
+    # INTER_AREA only where bilinear would alias (shrinking 2x or more): 3x slower than INTER_LINEAR.
+    interp = cv2.INTER_AREA if min(crop.shape[:2]) >= 2 * size else cv2.INTER_LINEAR
+    if not flip:
+        return cv2.resize(crop, (size, size), dst=out, interpolation=interp)
+    return cv2.flip(cv2.resize(crop, (size, size), interpolation=interp), 1, dst=out)
+
+
 def _fast(data: bytes, w: int, h: int, box, size: int, flip: bool, out: np.ndarray | None) -> np.ndarray:
     """simplejpeg decode (DCT-scaled when the crop is at least twice the output) + cv2 crop/resize/flip."""
     bw, bh = box[2] - box[0], box[3] - box[1]
@@ -90,31 +103,53 @@ def _fast(data: bytes, w: int, h: int, box, size: int, flip: bool, out: np.ndarr
                                min_height=math.ceil(h * size / bh) if scaled else 0)
     sx, sy = a.shape[1] / w, a.shape[0] / h
     crop = a[round(box[1] * sy) : round(box[3] * sy), round(box[0] * sx) : round(box[2] * sx)]
-    # INTER_AREA only where bilinear would alias (shrinking 2x or more): 3x slower than INTER_LINEAR.
-    interp = cv2.INTER_AREA if min(crop.shape[:2]) >= 2 * size else cv2.INTER_LINEAR
-    if not flip:
-        return cv2.resize(crop, (size, size), dst=out, interpolation=interp)
-    return cv2.flip(cv2.resize(crop, (size, size), interpolation=interp), 1, dst=out)
+    return _resize_flip(crop, size, flip, out)
+
+
+def _crop(data: bytes, w: int, h: int, box, size: int, flip: bool, out: np.ndarray | None) -> np.ndarray:
+    """The crop decoder: the box alone, at the power-of-two scale that still covers the output, then as _fast."""
+    denom = jpegcrop.scale_for(w, h, box, size)
+    sx, sy = -(-w // denom) / w, -(-h // denom) / h  # libjpeg's scaled size is rounded up
+    crop = jpegcrop.decode_box(data, denom, (round(box[0] * sx), round(box[1] * sy), round(box[2] * sx),
+                                             round(box[3] * sy)))
+    return _resize_flip(crop, size, flip, out)
 
 
 def _header(data: bytes, decoder: str):
-    """(w, h, fast) — fast when simplejpeg can take this file."""
+    """(w, h, path): path is "crop", "fast" (simplejpeg) or "pillow", the first that can take this file."""
+    if decoder in ("auto", "crop") and jpegcrop.ext is not None and cv2 is not None:
+        try:
+            w, h, ok = jpegcrop.header(data)
+            if ok:
+                return w, h, "crop"
+        except jpegcrop.Error:
+            pass  # not a JPEG (or a damaged header): the paths below decide, as before
+    elif decoder == "crop":
+        jpegcrop.require()
+        raise MissingDependency("decoder='crop' needs opencv-python-headless installed (it resizes the box)")
     if decoder != "pillow" and simplejpeg is not None:
         try:
             h, w, colorspace, _ = simplejpeg.decode_jpeg_header(data)
             if colorspace in ("YCbCr", "Gray", "RGB"):
-                return w, h, True
+                return w, h, "fast"
         except ValueError:
             pass  # not a JPEG (or a damaged header): Pillow decides
     if decoder == "simplejpeg" and simplejpeg is None:
         raise MissingDependency("decoder='simplejpeg' needs simplejpeg and opencv-python-headless installed")
-    return *Image.open(io.BytesIO(data)).size, False
+    return *Image.open(io.BytesIO(data)).size, "pillow"
 
 
 def _decode(data: bytes, size: int, box_of, decoder: str, out: np.ndarray | None) -> np.ndarray:
-    w, h, fast = _header(data, decoder)
-    box, flip = box_of(w, h)
-    if fast:
+    w, h, path = _header(data, decoder)
+    box, flip = box_of(w, h)  # drawn once, whichever decoder ends up decoding: the draws never change
+    if path == "crop":
+        try:
+            return _crop(data, w, h, box, size, flip, out)
+        except jpegcrop.Error:
+            if decoder == "crop":
+                raise
+            path = "fast"  # a header the crop decoder read is one simplejpeg reads: it decides, as before
+    if path == "fast":
         try:
             return _fast(data, w, h, box, size, flip, out)
         except ValueError:
@@ -147,7 +182,21 @@ def draw_train_params(w: int, h: int, rng: np.random.Generator, min_scale: float
     return box, bool(rng.random() < 0.5)
 
 
+def decode_box(data: bytes, size: int, box, flip: bool, out: np.ndarray | None = None) -> np.ndarray:
+    """A box and flip drawn elsewhere (the nvjpeg backend's workers) → uint8 HWC, by the "auto" decoders."""
+    return _decode(data, size, lambda w, h: (box, flip), "auto", out)
+
+
 def jpeg_size(data: bytes) -> tuple[int, int]:
     """(w, h) from the header alone."""
     w, h, _ = _header(data, "auto")
     return w, h
+
+
+def active(decoder: str = "auto") -> str:
+    """Which decoder `decoder` runs on this installation, and why not the crop decoder where it is absent."""
+    if decoder == "pillow" or cv2 is None:
+        return "Pillow" + ("" if decoder == "pillow" else " (simplejpeg/OpenCV not installed)")
+    if decoder == "simplejpeg" or jpegcrop.ext is None:
+        return "simplejpeg + OpenCV, full decode" + ("" if decoder == "simplejpeg" else f"; {jpegcrop.describe()}")
+    return f"{jpegcrop.describe()} + OpenCV; simplejpeg and Pillow where it does not take a file"
