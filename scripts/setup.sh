@@ -21,6 +21,18 @@ pip install -q --upgrade pip
 if ! .venv/bin/python -c "import torch, torchvision" 2>/dev/null; then
   pip install -q "torch==2.14.1" "torchvision==0.29.1" || pip install -q torch torchvision
 fi
+# The crop-aware JPEG decoder (fastpipe/_jpegcrop.c, built by the install below) needs a C compiler, Python's and
+# libjpeg-turbo's headers: installed here where missing (Debian: libjpeg62-turbo-dev; Ubuntu: libjpeg-dev). Without
+# them fastpipe installs all the same and decodes whole images, as `fastpipe doctor` then says.
+need=()
+[ -e /usr/include/jpeglib.h ] || need+=(libjpeg62-turbo-dev)
+command -v cc >/dev/null || need+=(gcc)
+[ -e "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("include"))')/Python.h" ] || need+=(python3-dev)
+if [ ${#need[@]} -gt 0 ] && command -v apt-get >/dev/null; then
+  apt-get install -y -q "${need[@]}" >/dev/null 2>&1 \
+    || apt-get install -y -q "${need[@]/libjpeg62-turbo-dev/libjpeg-dev}" >/dev/null 2>&1 \
+    || echo "WARN: could not install ${need[*]}; fastpipe's crop-aware JPEG decoder will not be built"
+fi
 pip install -q -e ".[test]"
 
 # DALI whose CUDA major matches torch's (torch 2.14.1 is a cu130 build → nvidia-dali-cuda130).
@@ -48,3 +60,4 @@ if [ "$SIMD" = 1 ]; then
   .venv/bin/python -c "import PIL; print('PIL', PIL.__version__)"
 fi
 .venv/bin/python -c "import fastpipe, torch; print('fastpipe', fastpipe.__version__, '| torch', torch.__version__)"
+.venv/bin/python -c "from fastpipe.loaders import cpu_ops; print('JPEG decoder:', cpu_ops.active())"

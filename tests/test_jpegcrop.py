@@ -1,0 +1,237 @@
+"""The crop-aware decoder (fastpipe/_jpegcrop.c): the box's pixels are a full decode's, for every JPEG kind; damaged
+files raise and the loader skips them as before; without the extension everything decodes as it did; the draws,
+and so an epoch, do not change; and a machine without a compiler still installs fastpipe."""
+
+from __future__ import annotations
+
+import io
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import simplejpeg
+import torch
+from PIL import Image
+
+from fastpipe import make_loader
+from fastpipe.demo import render
+from fastpipe.errors import MissingDependency
+from fastpipe.loaders import cpu_ops, jpegcrop
+from fastpipe.manifest import load
+from fastpipe.shardformat import read_index
+
+ROOT = Path(__file__).resolve().parent.parent
+built = pytest.mark.skipif(jpegcrop.ext is None, reason=f"crop decoder not built ({jpegcrop.absent})")
+
+
+def _pil(im: Image.Image, **kw) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, "JPEG", quality=90, **kw)
+    return buf.getvalue()
+
+
+def _cv2(im: Image.Image, factor: int) -> bytes:
+    """OpenCV writes the sampling factors Pillow does not (4:1:1, 4:4:0), here with restart markers too."""
+    ok, enc = cv2.imencode(".jpg", np.asarray(im)[..., ::-1], [cv2.IMWRITE_JPEG_QUALITY, 90,
+                                                               cv2.IMWRITE_JPEG_SAMPLING_FACTOR, factor,
+                                                               cv2.IMWRITE_JPEG_RST_INTERVAL, 3])
+    assert ok
+    return enc.tobytes()
+
+
+KINDS = {
+    "4:2:0": lambda im: _pil(im, subsampling="4:2:0"),
+    "4:4:4": lambda im: _pil(im, subsampling="4:4:4"),
+    "4:2:2": lambda im: _pil(im, subsampling="4:2:2"),
+    "gray": lambda im: _pil(im.convert("L")),
+    "progressive": lambda im: _pil(im, progressive=True),
+    "4:1:1, restarts": lambda im: _cv2(im, cv2.IMWRITE_JPEG_SAMPLING_FACTOR_411),
+    "4:4:0, restarts": lambda im: _cv2(im, cv2.IMWRITE_JPEG_SAMPLING_FACTOR_440),
+}
+
+
+def photo(kind="4:2:0", w=333, h=251, seed=0) -> bytes:
+    """A demo photo (shapes, blur, camera grain) at an odd size: every iMCU row and column is partial somewhere."""
+    return KINDS[kind](render(("leaf_rust", "pipe_crack")[seed % 2], w, h, seed))
+
+
+def boxes(w: int, h: int, rng) -> list[tuple[int, int, int, int]]:
+    """Random boxes, the edges and corners, and 1-pixel boxes (at iMCU boundaries, and at the far corner)."""
+    fixed = [(0, 0, w, h), (0, 0, 1, 1), (w - 1, h - 1, w, h), (0, 0, w, 1), (0, h - 1, w, h), (0, 0, 1, h),
+             (w - 1, 0, w, h), (16, 16, 17, 17), (min(32, w - 1), 8, min(33, w), 9), (w // 2, h // 2, w, h)]
+    rand = []
+    for _ in range(25):
+        x0, y0 = int(rng.integers(0, w)), int(rng.integers(0, h))
+        rand.append((x0, y0, int(rng.integers(x0 + 1, w + 1)), int(rng.integers(y0 + 1, h + 1))))
+    return fixed + rand
+
+
+@built
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("w,h", [(333, 251), (197, 263)])
+def test_box_pixels_are_a_full_decodes(kind, w, h):
+    """At every DCT scale the crop decoder uses, each box equals the same box of a full decode by the same
+    libjpeg-turbo (exactly: the box is widened for the upsampling at its edges), and the full decode equals
+    simplejpeg's (the full-decode path's) within 1 grey level. Measured: 0 everywhere."""
+    data, rng = photo(kind, w, h, seed=w), np.random.default_rng(w)
+    for denom in (1, 2, 4, 8):
+        sw, sh = -(-w // denom), -(-h // denom)
+        own = jpegcrop.decode_box(data, denom, (0, 0, sw, sh)).copy()
+        ref = simplejpeg.decode_jpeg(data, "RGB", min_width=sw, min_height=sh)
+        assert own.shape == ref.shape == (sh, sw, 3)
+        assert np.abs(own.astype(int) - ref).max() <= 1
+        for x0, y0, x1, y1 in boxes(sw, sh, rng):
+            box = jpegcrop.decode_box(data, denom, (x0, y0, x1, y1))
+            assert box.shape == (y1 - y0, x1 - x0, 3)
+            assert np.array_equal(box, own[y0:y1, x0:x1]), (denom, (x0, y0, x1, y1))
+
+
+@built
+@pytest.mark.parametrize("kind", ["4:2:0", "gray", "progressive"])
+def test_train_and_val_outputs_equal_the_full_decode_paths(kind):
+    """The same draws and the same resize and flip: where neither path scales the DCT (boxes under twice the
+    output), the output is the full-decode path's exactly; where both do, within the resampling of a 1/2 (crop)
+    instead of an M/8 (simplejpeg) scaled decode."""
+    data = photo(kind)
+    for seed in range(12):
+        a, b = (cpu_ops.decode_train(data, 160, np.random.default_rng(seed), decoder=d) for d in ("crop", "simplejpeg"))
+        assert np.array_equal(a, b)
+    assert np.array_equal(*(cpu_ops.decode_val(data, 160, decoder=d) for d in ("crop", "simplejpeg")))
+    small = [cpu_ops.decode_val(data, 56, decoder=d).astype(int) for d in ("crop", "simplejpeg")]
+    assert np.abs(small[0] - small[1]).mean() < 3  # 1/2 against 5/8 scaled, then INTER_AREA to 56 px
+
+
+@built
+def test_scale_is_a_power_of_two_that_still_covers_the_output():
+    assert jpegcrop.scale_for(427, 320, (0, 0, 427, 320), 224) == 1  # box under twice the output
+    assert jpegcrop.scale_for(1000, 800, (0, 0, 1000, 800), 224) == 2  # 1/4 would give 200 < 224 rows
+    assert jpegcrop.scale_for(4000, 3000, (0, 0, 4000, 3000), 224) == 8
+    assert jpegcrop.scale_for(1000, 800, (100, 0, 600, 500), 224) == 2  # 1/2 of a 500 box: 250 >= 224
+
+
+@built
+def test_damaged_files_raise_a_clean_error():
+    data = photo()
+    truncated = data[: len(data) * 2 // 3]
+    with pytest.raises(jpegcrop.Error, match="end-of-image"):  # even a box the truncation does not reach
+        jpegcrop.decode_box(truncated, 1, (0, 0, 8, 8))
+    body = bytearray(data)
+    body[len(body) // 3 : -2] = np.random.default_rng(0).bytes(len(body) - 2 - len(body) // 3)
+    with pytest.raises(jpegcrop.Error):  # corrupt entropy-coded data above the box's last row
+        jpegcrop.decode_box(bytes(body), 1, (0, 200, 333, 251))
+    for bad in (b"", b"\xff\xd8\xff", b"not a jpeg at all", data[:100]):
+        with pytest.raises(jpegcrop.Error):
+            jpegcrop.header(bad)
+    with pytest.raises(jpegcrop.Error, match="outside"):
+        jpegcrop.decode_box(data, 1, (0, 0, 334, 10))
+    with pytest.raises(ValueError, match="denom"):
+        jpegcrop.ext.decode(data, 3, 0, 0, 1, 1, np.empty(100, np.uint8))
+    with pytest.raises(jpegcrop.Error, match="too small"):
+        jpegcrop.ext.decode(data, 1, 0, 0, 10, 10, np.empty(100, np.uint8))
+
+
+@built
+def test_absurd_dimensions_are_refused_before_allocating():
+    data = bytearray(photo(w=64, h=48))
+    sof = data.index(b"\xff\xc0")  # baseline frame header: length (2), precision (1), height (2), width (2)
+    data[sof + 5 : sof + 9] = (30000).to_bytes(2, "big") + (30000).to_bytes(2, "big")
+    assert jpegcrop.header(bytes(data))[:2] == (30000, 30000)
+    with pytest.raises(jpegcrop.Error, match="limit"):
+        jpegcrop.decode_box(bytes(data), 1, (0, 0, 16, 16))
+
+
+@built
+def test_a_damaged_sample_is_skipped_and_counted_as_before(converted, tmp_path):
+    """Header intact, the rest zeros: the crop decoder refuses it, so do the full-decode paths; skipped, named."""
+    out = tmp_path / "bad"
+    shutil.copytree(converted, out)
+    s = load(out).splits["train"].shards[0]
+    key, parts = read_index(out / s.index)[0]
+    off, size = parts["jpg"]
+    data = bytearray((out / s.path).read_bytes())
+    data[off + size // 2 : off + size] = bytes(size - size // 2)
+    (out / s.path).write_bytes(bytes(data))
+    loader = make_loader(out, "torch", batch_size=8, image_size=48, device="cpu", num_workers=0)
+    with pytest.warns(UserWarning, match=f"skipping sample {key} in shard"):
+        assert all(len(y) == 8 for _, y in loader)
+    assert loader.stats.skipped == 1
+
+
+def test_without_the_extension_everything_decodes_as_before(monkeypatch):
+    data = photo()
+    want = [cpu_ops.decode_train(data, 96, np.random.default_rng(s), decoder="simplejpeg") for s in range(6)]
+    monkeypatch.setattr(jpegcrop, "ext", None)
+    monkeypatch.setattr(jpegcrop, "absent", "extension not built: No module named 'fastpipe._jpegcrop'")
+    got = [cpu_ops.decode_train(data, 96, np.random.default_rng(s)) for s in range(6)]
+    assert all(np.array_equal(a, b) for a, b in zip(want, got))
+    assert "full decode" in cpu_ops.active() and "not built" in cpu_ops.active()
+    with pytest.raises(MissingDependency, match=r"not built.*libjpeg62-turbo-dev"):
+        cpu_ops.decode_val(data, 96, decoder="crop")
+    from fastpipe.doctor import check_decoder
+
+    assert check_decoder().status == "WARN" and "pip install -e ." in check_decoder().fix
+
+
+def test_crop_decoder_setting_is_refused_when_absent(converted, monkeypatch):
+    monkeypatch.setattr(jpegcrop, "ext", None)
+    with pytest.raises(MissingDependency, match="cpu_decoder='crop'"):
+        make_loader(converted, "torch", cpu_decoder="crop", device="cpu")
+
+
+@built
+@pytest.mark.parametrize("backend", ["torch", "nvjpeg"])
+def test_an_epoch_is_what_the_full_decode_path_gives(converted, backend, monkeypatch):
+    """Same samples, labels and order, and (no DCT scaling at these sizes) the same pixels as with the extension
+    absent; the CPU fallback of the nvjpeg backend too, from the boxes its workers drew."""
+    kw = dict(batch_size=8, image_size=48, device="cpu", num_workers=0, normalize=False, with_keys=True, seed=3)
+
+    def epoch(e):
+        loader = make_loader(converted, backend, **kw)
+        loader.set_epoch(e)
+        keys, labels, images = zip(*[(k, y, x) for x, y, k in loader])
+        return keys, torch.cat(labels), torch.cat(images), loader.describe()["decoder"]
+
+    crop = epoch(1)
+    assert "crop-aware" in crop[3]
+    assert all(torch.equal(a, b) for a, b in zip(crop[1:3], epoch(1)[1:3]))  # deterministic
+    monkeypatch.setattr(jpegcrop, "ext", None)
+    full = epoch(1)
+    assert crop[0] == full[0] and torch.equal(crop[1], full[1])
+    if backend == "torch":
+        assert torch.equal(crop[2], full[2])
+    else:  # the fallback decodes on the CPU with torch's antialiased bilinear instead of OpenCV
+        assert (crop[2].float() - full[2].float()).abs().mean() < 2
+
+
+def _build(tmp_path: Path, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
+                           "--build-temp", str(tmp_path / "tmp")], cwd=ROOT, capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), **env})
+
+
+def test_install_without_a_compiler_goes_on_without_the_extension(tmp_path):
+    done = _build(tmp_path, {"CC": "false", "LDSHARED": "false"})
+    assert done.returncode == 0, done.stderr
+    assert "crop-aware JPEG decoder was not built" in done.stdout + done.stderr
+    assert not list((tmp_path / "lib").rglob("_jpegcrop*"))
+
+
+def _can_compile() -> bool:
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    return shutil.which(cc) is not None and Path("/usr/include/jpeglib.h").exists()
+
+
+@pytest.mark.skipif(not _can_compile(), reason="no C compiler or libjpeg headers")
+def test_the_extension_builds_and_loads(tmp_path):
+    done = _build(tmp_path, {})
+    assert done.returncode == 0, done.stderr
+    (so,) = (tmp_path / "lib").rglob("_jpegcrop*.so")
+    probe = "import importlib.util as u, sys; s = u.spec_from_file_location('fastpipe._jpegcrop', sys.argv[1]); " \
+            "m = u.module_from_spec(s); s.loader.exec_module(m); print(m.LIBJPEG_TURBO_VERSION)"
+    loaded = subprocess.run([sys.executable, "-c", probe, str(so)], capture_output=True, text=True)
+    assert loaded.returncode == 0 and loaded.stdout.strip()[0].isdigit(), loaded.stderr
