@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 import torch
@@ -26,6 +26,20 @@ class HostBatch:
     error: str | None = None  # a worker's FastpipeError, re-raised by the main process with this message
     io: tuple[int, int, int] | None = None  # remote data: (requests, bytes, retries) since the last batch
 
+    def __reduce__(self):
+        """From a worker to the main process: `images` (a pooled shared-memory buffer) by handle, as torch sends a
+        tensor; every other tensor by value. torch would put each in a new shared-memory segment and pass its file
+        descriptor over a socket with an authentication handshake, two per batch (labels, ids) and one per sample
+        for encoded bytes: more work for both processes than pickling the few bytes (benchmarks/bench_crop.py)."""
+        state = {f.name: getattr(self, f.name) for f in fields(self)}
+        for k in _BY_VALUE:
+            if isinstance(state[k], torch.Tensor):
+                state[k] = state[k].numpy()
+        tensors = bool(state["data"]) and isinstance(state["data"][0], torch.Tensor)
+        if tensors:
+            state["data"] = [d.numpy() for d in state["data"]]
+        return _rebuild, (state, tensors)
+
     def pin_memory(self) -> HostBatch:
         """DataLoader's pin-memory thread calls this for objects it does not know."""
         return replace(self, labels=self.labels.pin_memory(),
@@ -35,6 +49,18 @@ class HostBatch:
     def failed(message: str) -> HostBatch:
         empty = torch.zeros(0, dtype=torch.int64)
         return HostBatch(empty, empty, error=message)
+
+
+_BY_VALUE = ("labels", "ids", "boxes", "flips")
+
+
+def _rebuild(state: dict, tensors: bool) -> HostBatch:
+    for k in _BY_VALUE:
+        if isinstance(state[k], np.ndarray):
+            state[k] = torch.from_numpy(state[k])
+    if tensors:
+        state["data"] = [torch.from_numpy(d) for d in state["data"]]
+    return HostBatch(**state)
 
 
 @dataclass(frozen=True)
