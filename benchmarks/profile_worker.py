@@ -23,8 +23,9 @@ from fastpipe import make_loader
 # (group, test on "file:function") — the first match wins; what matches none is assembly and the loop itself.
 GROUPS = [
     # simplejpeg is compiled without profiling hooks: its decode is counted inside cpu_ops._fast / _header
-    ("decode (simplejpeg in cpu_ops._fast, Pillow)", lambda f: f.endswith(("cpu_ops.py:_fast", "cpu_ops.py:_header"))
-     or "ImagingDecoder" in f or "ImageFile.py" in f),
+    ("decode (crop decoder, simplejpeg in cpu_ops._fast, Pillow)",
+     lambda f: f.endswith(("cpu_ops.py:_fast", "cpu_ops.py:_header")) or "_jpegcrop" in f or "ImagingDecoder" in f
+     or "ImageFile.py" in f),
     ("resize + flip (OpenCV)", lambda f: f.endswith(("<resize>", "<flip>")) or "ImagingCore" in f),
     ("crop and flip draws", lambda f: "rng.py" in f or "random_resized_crop_box" in f or "draw_train_params" in f),
     ("machinery: plan, shard reading, labels", lambda f: any(m in f for m in ("shards.py", "epoch.py", "stream.py",

@@ -197,6 +197,8 @@ def active(decoder: str = "auto") -> str:
     """Which decoder `decoder` runs on this installation, and why not the crop decoder where it is absent."""
     if decoder == "pillow" or cv2 is None:
         return "Pillow" + ("" if decoder == "pillow" else " (simplejpeg/OpenCV not installed)")
-    if decoder == "simplejpeg" or jpegcrop.ext is None:
-        return "simplejpeg + OpenCV, full decode" + ("" if decoder == "simplejpeg" else f"; {jpegcrop.describe()}")
+    if decoder == "simplejpeg":
+        return "simplejpeg + OpenCV, full decode"
+    if jpegcrop.ext is None:
+        return f"simplejpeg + OpenCV, {jpegcrop.describe()}"
     return f"{jpegcrop.describe()} + OpenCV; simplejpeg and Pillow where it does not take a file"
