@@ -33,7 +33,7 @@ from bench_peers import interleaved, run_loader
 from PIL import Image
 
 from fastpipe import make_loader
-from fastpipe.bench.timing import spread
+from fastpipe.bench.timing import run_fresh, spread
 from fastpipe.loaders import cpu_ops, jpegcrop
 from fastpipe.loaders.epoch import Piece
 from fastpipe.loaders.shards import ShardSet
@@ -53,6 +53,7 @@ def parse_args(argv=None):
     ap.add_argument("--progressive", type=int, default=300, help="samples re-encoded progressive (first side)")
     ap.add_argument("--no-dali", action="store_true")
     ap.add_argument("--data", help="keep the photos and shards in this folder and reuse them on the next run")
+    ap.add_argument("--dali-one", help=argparse.SUPPRESS)  # SHARDS: one timed DALI pass, in a fresh process
     ap.add_argument("--json", default="bench-results/crop.json")
     return ap.parse_args(argv)
 
@@ -102,8 +103,14 @@ def one_process(datas: list[bytes], decoder: str, split: str):
     return run
 
 
-def dali(datas: list[bytes]):
-    """DALI's fused random crop decode on the CPU, one thread: what the dali backend runs without a GPU."""
+def dali(out: Path):
+    """DALI's fused random crop decode on the CPU, one thread: what the dali backend runs without a GPU. In a
+    process of its own: with DALI imported, fastpipe's loader workers would start from a fork server instead of
+    forking (stream.py), which the loader rows must not measure."""
+    return lambda: run_fresh([__file__, "--dali-one", str(out)], "DALI's pass")
+
+
+def dali_pass(datas: list[bytes]) -> dict:
     from nvidia.dali import fn, pipeline_def, types
 
     arrays = [np.frombuffer(d, np.uint8) for d in datas]
@@ -127,14 +134,10 @@ def dali(datas: list[bytes]):
     pipe = graph()
     pipe.build()
     pipe.run()  # warm: DALI allocates its buffers on the first batches
-
-    def run() -> dict:
-        t = time.perf_counter()
-        for _ in range(batches):
-            pipe.run()
-        return {"img_per_s": batches * BATCH / (time.perf_counter() - t)}
-
-    return run
+    t = time.perf_counter()
+    for _ in range(batches):
+        pipe.run()
+    return {"img_per_s": batches * BATCH / (time.perf_counter() - t)}
 
 
 def loader(out: Path, decoder: str, args):
@@ -159,7 +162,7 @@ def variants(sets: dict[int, Path], args) -> dict:
             v[f"{side} progressive train full"] = one_process(prog, "simplejpeg", "train")
             v[f"{side} progressive train crop"] = one_process(prog, "crop", "train")
         if not args.no_dali:
-            v[f"{side} train dali image_random_crop"] = dali(datas)
+            v[f"{side} train dali image_random_crop"] = dali(out)
     return v
 
 
@@ -245,6 +248,9 @@ def main(args) -> dict:
 
 if __name__ == "__main__":
     a = parse_args()
+    if a.dali_one:
+        print(json.dumps(dali_pass(samples(Path(a.dali_one)))))
+        raise SystemExit(0)
     result = main(a)
     print(table(result))
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)

@@ -64,3 +64,33 @@ def test_an_error_kept_in_a_reference_cycle_does_not_hang_the_exit(converted, tm
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0 and "exiting" in r.stdout, r.stderr[-2000:]
+
+
+def test_a_worker_batch_crosses_with_only_its_images_in_shared_memory():
+    """What a worker queues: the pooled image buffer travels as a shared-memory handle, the small tensors and
+    encoded bytes by value (each shared tensor costs a file-descriptor handshake), and all arrive as they left."""
+    import io
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    import numpy as np
+    import torch
+    import torch.multiprocessing  # registers torch's reducers with ForkingPickler, as in a DataLoader worker
+
+    from fastpipe.loaders.batch import HostBatch
+
+    images = torch.zeros((2, 4, 4, 3), dtype=torch.uint8).share_memory_()
+    sent = HostBatch(torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([7, 9]), images=images,
+                     data=[torch.tensor([255, 216], dtype=torch.uint8)] * 2, boxes=torch.tensor([[0, 0, 4, 4]] * 2),
+                     flips=torch.tensor([True, False]), skipped=["a/b: bad"], slot=3, io=(1, 2, 0))
+    buf = io.BytesIO()
+    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(sent)
+    got = pickle.loads(buf.getvalue())
+    assert got.images.data_ptr() == images.data_ptr()  # the same buffer, not a copy (same process here)
+    for name in ("labels", "ids", "boxes", "flips"):
+        assert torch.equal(getattr(got, name), getattr(sent, name))
+        assert getattr(got, name).dtype == getattr(sent, name).dtype and not getattr(got, name).is_shared()
+    assert all(isinstance(d, torch.Tensor) and torch.equal(d, e) for d, e in zip(got.data, sent.data))
+    assert (got.skipped, got.slot, got.io) == (sent.skipped, sent.slot, sent.io)
+    raw = HostBatch(torch.tensor([1]), torch.tensor([2]), data=[np.frombuffer(b"\xff\xd8", np.uint8)])  # DALI's
+    assert isinstance(pickle.loads(ForkingPickler.dumps(raw)).data[0], np.ndarray)
