@@ -29,6 +29,8 @@
  * a side, and a crafted 65535 x 65535 header would ask for gigabytes (progressive files buffer every coefficient). */
 #define MAX_SIDE 32768
 #define MAX_PIXELS (64L * 1024 * 1024)
+/* And a second bound inside libjpeg, on its whole-image buffers: a progressive 4:4:4 file at MAX_PIXELS needs 384 MB
+ * of coefficients; libjpeg-turbo (2.1 and later) fails a larger request instead of allocating it. */
 #define MAX_MEMORY (512L * 1024 * 1024)
 /* How much wider than the box a decoded row may be: see widen(). */
 #define ROW_SLACK 160
