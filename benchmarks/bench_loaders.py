@@ -22,7 +22,7 @@ import torch
 
 from fastpipe import make_loader
 from fastpipe.bench.timing import cuda_sync, endless, measure
-from fastpipe.loaders import cpu_ops
+from fastpipe.loaders import cpu_ops, jpegcrop
 from fastpipe.loaders.epoch import Piece
 from fastpipe.loaders.shards import ShardSet
 from fastpipe.manifest import load
@@ -61,7 +61,7 @@ def bound(out: Path, size: int) -> dict[str, float]:
     shards = ShardSet(load(out), "train")
     datas = [s.image for i, n in enumerate(shards.counts) for s in shards.read_piece(Piece(i, 0, n))][:1500]
     rates = {}
-    for decoder in ("pillow", "simplejpeg"):
+    for decoder in ("pillow", "simplejpeg") + (("crop",) if jpegcrop.ext is not None else ()):
         rng = np.random.default_rng(0)
         it = iter(endless(lambda _e: datas))
 
@@ -97,6 +97,8 @@ def variants(out: Path, args, workers: int) -> dict:
         "webdataset (docs), float": lambda: plain_webdataset(out, args),
         "fastpipe torch, uint8": lambda: make_loader(out, "torch", **tkw),
         "fastpipe torch, float on cpu": lambda: make_loader(out, "torch", **{**kw, "normalize": True}),
+        "fastpipe torch full decode (simplejpeg), uint8": lambda: make_loader(out, "torch", cpu_decoder="simplejpeg",
+                                                                              **tkw),
         "fastpipe torch pillow, uint8": lambda: make_loader(out, "torch", cpu_decoder="pillow", **tkw),
         "fastpipe nvjpeg cpu-decode, uint8": lambda: make_loader(out, "nvjpeg", **kw),
         "fastpipe dali cpu, uint8": lambda: make_loader(out, "dali", **kw),
@@ -184,6 +186,7 @@ def main(args) -> dict:
         m = load(out)
         result = {"benchmark": "loaders", "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                                                        "torch": torch.__version__, "device": args.device},
+                  "decoder": cpu_ops.active(),
                   "settings": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
                   "train_samples": m.splits["train"].samples, "stored_short_side": m.settings.get("short_side"),
                   "bound_per_core_img_per_s": per_core, "rows": rows, "failed": failed}
