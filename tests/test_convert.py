@@ -294,6 +294,26 @@ def test_the_worker_pool_gives_results_in_order_and_says_when_a_worker_dies(meth
         pool.terminate()
 
 
+def test_a_pool_already_broken_when_a_task_is_queued_says_a_worker_died():
+    """A worker may die between two tasks: then queueing the next one fails (it raised BrokenProcessPool, a
+    traceback, instead of naming the files in flight)."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    from fastpipe.convert.workers import WorkerDied, Workers
+
+    pool = Workers(1, int, ())
+    try:
+        held = pool.executor.submit(time.sleep, 60)  # occupies the worker until it is killed
+        child = next(iter(pool.executor._processes.values()))
+        os.kill(child.pid, signal.SIGKILL)
+        with pytest.raises(BrokenProcessPool):
+            held.result(timeout=60)  # the pool knows it is broken: the next submit fails
+        with pytest.raises(WorkerDied, match=r"while converting one of: a\.jpg"):
+            list(pool.imap(len, ["a.jpg", "b.jpg"]))
+    finally:
+        pool.terminate()
+
+
 def _faults_per_photo(paths: list[str]) -> float:
     """In a worker: page faults per photo converted, after a first one that grows the heap."""
     import resource
