@@ -22,9 +22,10 @@ from fastpipe.convert.workers import Workers
 from fastpipe.convert.writer import ShardWriter
 from fastpipe.errors import ConfigError
 from fastpipe.manifest import Components, Manifest, SplitInfo, Stats
-from fastpipe.options import opt, parse_procs, parse_size
+from fastpipe.options import SEED_MAX, check, opt, parse_procs, parse_size
 from fastpipe.shardformat import encode_label
 from fastpipe.storage import is_url
+from fastpipe.urls import check_location
 from fastpipe.util import (
     FileTooLarge,
     FolderLock,
@@ -47,19 +48,21 @@ class ConvertError(ConfigError):
 class ShardConfig:
     src: Path = opt(None, "folder of class folders (optionally train/ and val/), or a CSV/TXT list", positional=True)
     out: Path = opt(None, "output folder, or a URL to upload to (s3://bucket/prefix, gs://, az://)", positional=True)
-    short_side: int = opt(320, "stored shorter side in pixels, never upscaled")
-    quality: int = opt(90, "JPEG quality of the stored images")
-    val_fraction: float = opt(0.1, "stratified validation share (ignored when SRC has train/ and val/ folders)")
-    seed: int = opt(0, "seed for split and shuffle")
-    max_shard_size: int = opt(256 * 1024**2, "shard size limit, e.g. 256MB, 64MB", parse=parse_size)
-    max_pixels: int = opt(200_000_000, "refuse larger images (decompression-bomb guard)")
-    max_file_size: int = opt(1024**3, "refuse larger files, e.g. 1GB", parse=parse_size)
+    short_side: int = opt(320, "stored shorter side in pixels, never upscaled", low=8, high=65535)
+    quality: int = opt(90, "JPEG quality of the stored images", low=1, high=100)
+    val_fraction: float = opt(0.1, "stratified validation share (ignored when SRC has train/ and val/ folders)",
+                              low=0, below=1)
+    seed: int = opt(0, "seed for split and shuffle", low=0, high=SEED_MAX)
+    max_shard_size: int = opt(256 * 1024**2, "shard size limit, e.g. 256MB, 64MB", parse=parse_size, low=64 * 1024,
+                               high=1024**4)
+    max_pixels: int = opt(200_000_000, "refuse larger images (decompression-bomb guard)", low=1)
+    max_file_size: int = opt(1024**3, "refuse larger files, e.g. 1GB", parse=parse_size, low=1)
     workers: int | None = opt(None, "processes: a number (0 = in this process) or auto (every core)",
-                              parse=parse_procs)
+                              parse=parse_procs, low=0, high=1024)
     overwrite: bool = opt(False, "replace a conversion made with other settings (removes only files fastpipe "
                                  "wrote)")
-    part: int = opt(0, "this part's number, for cluster array jobs")
-    parts: int = opt(1, "number of independent parts (then: fastpipe merge)")
+    part: int = opt(0, "this part's number, for cluster array jobs", low=0)
+    parts: int = opt(1, "number of independent parts (then: fastpipe merge)", low=1, high=100_000)
 
     def settings(self) -> dict:
         """Everything that changes the output bytes (workers and overwrite don't)."""
@@ -74,21 +77,14 @@ class ShardConfig:
     def __post_init__(self):
         # Paths given as text (the API, the CLI) become Paths; a URL is refused here, before anything is created.
         object.__setattr__(self, "src", local_path(self.src, "SRC"))
-        object.__setattr__(self, "out", self.out if is_url(self.out) else local_path(self.out, "OUT"))
+        object.__setattr__(self, "out", check_location(self.out, "OUT") if is_url(self.out) else
+                           local_path(self.out, "OUT"))
+        check(self)
 
     def validate(self) -> None:
-        if not 0 <= self.val_fraction < 1:
-            raise ConvertError(f"--val-fraction {self.val_fraction}: must be in [0, 1)")
-        if not 1 <= self.quality <= 100:
-            raise ConvertError(f"--quality {self.quality}: must be 1..100")
-        if self.short_side < 8:
-            raise ConvertError(f"--short-side {self.short_side}: must be at least 8 pixels")
-        if not 0 <= self.part < self.parts:
+        """What one setting's range cannot say (each setting's own range is checked when the config is built)."""
+        if not self.part < self.parts:
             raise ConvertError(f"--part {self.part} --parts {self.parts}: need 0 <= part < parts")
-        if self.max_shard_size < 64 * 1024:
-            raise ConvertError(f"--max-shard-size {self.max_shard_size}: use at least 64KB")
-        if self.workers is not None and self.workers < 0:
-            raise ConvertError(f"--workers {self.workers}: use 0 (this process) or more")
 
     @property
     def suffix(self) -> str:
