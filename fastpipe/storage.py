@@ -22,10 +22,12 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 from fastpipe.errors import ConfigError, DataError
-from fastpipe.stores import open_fs, store_environment
+from fastpipe.stores import cat_bounded, open_fs, store_environment
+from fastpipe.urls import check_relative, check_url, redact
 from fastpipe.util import URL_RE
 
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}  # 409 is S3's "operation aborted, try again"
+SMALL_OBJECT = 64 << 20  # bytes: the most a whole-object read (dataset.json, a .idx, rejected.jsonl) may return
 
 
 # The filesystem clients made in this process, by id: fsspec clients of one URL compare equal, so a WeakSet
@@ -139,12 +141,15 @@ class Remote:
                  attempts: int | None = None, base_delay: float = 0.25, inflight: int = 16, cache_dir=None,
                  cache_limit: int | None = None):
         if not is_url(url):
-            raise ConfigError(f"{url!r} is not a URL (expected e.g. s3://bucket/prefix)")
-        self.url, self.options = url.rstrip("/"), dict(storage_options or {})
+            raise ConfigError(f"{redact(url)!r} is not a URL (expected e.g. s3://bucket/prefix)")
+        self.url, self.options = check_url(url, "data set").rstrip("/"), dict(storage_options or {})
         # A request that sends nothing for `timeout` s is retried; `attempts` in all, then an error
         # ($FASTPIPE_REMOTE_TIMEOUT, $FASTPIPE_REMOTE_ATTEMPTS)
         self.timeout = timeout or float(os.environ.get("FASTPIPE_REMOTE_TIMEOUT", 60))
         self.attempts = attempts or int(os.environ.get("FASTPIPE_REMOTE_ATTEMPTS", 6))
+        # ... and every request has a total deadline: `timeout` plus its size at this floor rate (bytes/s), so that
+        # a server that trickles a byte at a time (each resetting the read timeout) still fails in bounded time
+        self.min_rate = float(os.environ.get("FASTPIPE_REMOTE_MIN_RATE", 1 << 20))
         self.base_delay, self.inflight = base_delay, inflight
         self.cache_dir, self.cache_limit = cache_dir, cache_limit  # where this node keeps its shards (cache.py)
         self.counters = Counters()
@@ -175,7 +180,8 @@ class Remote:
         return self._local[1:]
 
     def join(self, rel: str) -> str:
-        return f"{self.url}/{rel}"
+        """The URL of a file of this data set (`rel` as urls.check_relative allows: it cannot leave the folder)."""
+        return f"{self.url}/{check_relative(rel, 'a path in ' + self.url)}"
 
     def cat(self, rel: str) -> bytes:
         """A whole (small) object."""
@@ -201,14 +207,16 @@ class Remote:
         to that loop cost 1.8x the CPU (0.33 s against 0.19 s per 100 MB over loopback: benchmarks/bench_io.py),
         and that comes out of decoding on a busy machine."""
         fs, root, pool = self._client()
+        for rel, _, _ in parts:
+            self.join(rel)  # the path policy (urls.check_relative), before any request
         if not getattr(fs, "async_impl", False):
-            return list(pool.map(lambda p: self._retry(
-                lambda: fs.cat_file(f"{root}/{p[0]}", start=p[1], end=p[2]), self.join(p[0]), p[1:]), parts))
+            return list(pool.map(lambda p: self._sized(self._retry(
+                lambda: fs.cat_file(f"{root}/{p[0]}", start=p[1], end=p[2]), self.join(p[0]), p[1:]), p), parts))
         out: list = [None] * len(parts)
         todo = list(range(len(parts)))
         for attempt in range(1, self.attempts + 1):
-            got = fs.cat_ranges([f"{root}/{parts[k][0]}" for k in todo], [parts[k][1] for k in todo],
-                                [parts[k][2] for k in todo], batch_size=inflight or self.inflight, on_error="return")
+            got = self._bounded(fs, [(f"{root}/{parts[k][0]}", parts[k][1], parts[k][2]) for k in todo],
+                                inflight or self.inflight)
             failed = []
             for k, data in zip(todo, got):
                 if isinstance(data, BaseException):
@@ -222,6 +230,37 @@ class Remote:
             self._backoff(attempt)
             todo = failed
         raise AssertionError("unreachable")
+
+    def _bounded(self, fs, requests: list[tuple[str, int | None, int | None]], inflight: int) -> list:
+        """The requests on the client's event loop, `inflight` at a time, each within its deadline and size limit;
+        an exception in place of each that failed."""
+        import fsspec.asyn
+
+        async def all_of_them():
+            gate = asyncio.Semaphore(inflight)
+
+            async def one(path, start, end):
+                size = SMALL_OBJECT if start is None else end - start
+                deadline = self.timeout + size / self.min_rate
+                async with gate:
+                    try:
+                        return await asyncio.wait_for(cat_bounded(fs, path, start, end, size), deadline)
+                    except asyncio.TimeoutError:
+                        return TimeoutError(f"no complete answer within {deadline:.0f} s ({size} bytes at the floor "
+                                            f"rate of {self.min_rate / 2**20:g} MiB/s, $FASTPIPE_REMOTE_MIN_RATE)")
+                    except Exception as e:
+                        return e
+
+            return await asyncio.gather(*(one(*r) for r in requests))
+
+        return fsspec.asyn.sync(fs.loop, all_of_them)
+
+    def _sized(self, data: bytes, part: tuple[str, int | None, int | None]) -> bytes:
+        """A client without an event loop (no deadline to set) is held to the size limit after the read."""
+        if part[1] is None and len(data) > SMALL_OBJECT:
+            raise RemoteError(f"{self.join(part[0])}: {len(data)} bytes, over the limit of {SMALL_OBJECT} for a "
+                              f"dataset.json or index: not a file of a fastpipe data set")
+        return data
 
     def _checked(self, part: tuple[str, int, int], data: bytes) -> bytes:
         rel, start, end = part

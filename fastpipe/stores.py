@@ -15,7 +15,7 @@ import importlib.util
 import os
 import types
 
-from fastpipe.errors import ConfigError, MissingDependency
+from fastpipe.errors import ConfigError, DataError, MissingDependency
 
 PROTOCOL_EXTRAS = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs", "abfss": "adlfs",
                    "http": "aiohttp", "https": "aiohttp"}
@@ -120,6 +120,60 @@ def _az_retries_off(fs) -> None:
             setattr(policy, name, 0)
 
 
+class ObjectTooLarge(DataError):
+    """A store answered with more bytes than were asked for, or than a small object may have."""
+
+
+async def cat_bounded(fs, path: str, start: int | None, end: int | None, limit: int) -> bytes:
+    """Bytes [start, end) of `path`, or (start None) the whole object, never more than `limit` bytes: a whole object
+    is asked for as the range [0, limit], and a store that sends more (an HTTP server ignoring Range, an endless
+    body) is cut off as soon as it does, not read into memory."""
+    if getattr(fs, "protocol", None) in (("http", "https"), "http", "https") or type(fs).__name__ == "HTTPFileSystem":
+        return await _http_cat(fs, path, start, end, limit)
+    try:
+        data = await fs._cat_file(path, start=0 if start is None else start, end=limit + 1 if end is None else end)
+    except Exception as e:
+        if start is None and _unsatisfiable(e):  # the range [0, limit] of an empty object
+            return b""
+        raise
+    if len(data) > limit:
+        raise ObjectTooLarge(f"{len(data)} bytes or more, over the limit of {limit}")
+    return data
+
+
+def _unsatisfiable(e: BaseException | None) -> bool:
+    """HTTP 416, as each store's client reports it (s3fs turns botocore's into an OSError, the cause kept)."""
+    while e is not None:
+        response = getattr(e, "response", None)
+        codes = (getattr(e, "status", None), getattr(e, "status_code", None), getattr(e, "code", None),
+                 response.get("ResponseMetadata", {}).get("HTTPStatusCode") if isinstance(response, dict) else None)
+        if 416 in codes or "InvalidRange" in str(e) or "range is not satisfiable" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+async def _http_cat(fs, url: str, start: int | None, end: int | None, limit: int) -> bytes:
+    """fsspec's HTTP read, with the size checked before the body is read (Content-Length) and while it is."""
+    kw = dict(fs.kwargs)
+    headers = dict(kw.pop("headers", None) or {})
+    if start is not None:
+        headers["Range"] = f"bytes={start}-{end - 1}"
+    session = await fs.set_session()
+    async with session.get(fs.encode_url(url), headers=headers, **kw) as r:
+        fs._raise_not_found_for_status(r, url)
+        if r.content_length is not None and r.content_length > limit:
+            raise ObjectTooLarge(f"the server announces {r.content_length} bytes, over the limit of {limit}"
+                                 + (" (it ignores Range requests)" if start is not None else ""))
+        chunks, got = [], 0
+        async for chunk in r.content.iter_any():
+            got += len(chunk)
+            if got > limit:
+                raise ObjectTooLarge(f"the server sends more than the limit of {limit} bytes")
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
 _OPTIONS = {"http": _http_options, "s3": _s3_options, "gs": _gs_options, "az": _az_options}
 _RETRIES_OFF = {"s3": _s3_retries_off, "gs": _gs_retries_off, "az": _az_retries_off}
 
@@ -130,4 +184,4 @@ def installed_protocols() -> dict[str, bool]:
             for p, m in (("s3", "s3fs"), ("gs", "gcsfs"), ("az", "adlfs"), ("http", "aiohttp"))}
 
 
-__all__ = ["PROTOCOL_EXTRAS", "installed_protocols", "open_fs", "store_environment"]
+__all__ = ["PROTOCOL_EXTRAS", "ObjectTooLarge", "cat_bounded", "installed_protocols", "open_fs", "store_environment"]

@@ -1,5 +1,5 @@
 """Data sets in object storage, read through real servers on loopback: an HTTP server with Range support
-(fastpipe.devserver) and moto's S3-protocol server, both with injected faults (503s, reset connections, stalls).
+(fastpipe.testing.devserver) and moto's S3-protocol server, both with injected faults (503s, reset connections, stalls).
 Every backend must read every sample by URL with the right labels, nothing lost or repeated; the node cache must
 fetch each byte once across workers, evict under its limit and repair a damaged cached shard."""
 
@@ -21,11 +21,11 @@ import pytest
 import torch
 from conftest import epoch
 
-from fastpipe.devserver import Faults, FolderServer
 from fastpipe.errors import DataError
 from fastpipe.loaders import make_loader
 from fastpipe.manifest import load
 from fastpipe.storage import RemoteError
+from fastpipe.testing.devserver import Faults, FolderServer
 
 REAL = ["torch", "nvjpeg", pytest.param("dali", marks=pytest.mark.dali)]
 KW = dict(batch_size=8, image_size=32, device="cpu", with_keys=True)
@@ -110,6 +110,24 @@ def test_a_damaged_cached_index_is_fetched_again(converted, tmp_path):
     assert remote[:2] == local[:2]
     idx = {s.sha256: (converted / s.index).read_bytes() for s in m.split("val").shards}
     assert all(p.read_bytes() == idx[p.stem] for p in copies)  # repaired
+
+
+def test_a_cached_sample_that_does_not_decode_is_fetched_again_before_it_is_called_bad(converted, tmp_path):
+    """A presence byte set without its bytes (a crash, a disk error, a bad hand): the sample's cached copy is
+    zeros. It was skipped as undecodable, blaming the data; now it is fetched once more and decodes."""
+    m = load(converted)
+    shard = m.split("val").shards[0]
+    local = epoch(make_loader(converted, split="val", num_workers=0, **KW))
+    cache = tmp_path / "c"
+    cache.mkdir(mode=0o700)
+    damaged = bytearray(shard.bytes + shard.samples)  # no bytes; the first two samples claimed present
+    damaged[shard.bytes : shard.bytes + 2] = b"\1\1"
+    (cache / f"{shard.sha256}.shard").write_bytes(bytes(damaged))
+    with FolderServer(converted) as url, warnings.catch_warnings():
+        warnings.simplefilter("error")  # no sample skipped
+        loader = make_loader(url, split="val", num_workers=0, cache_dir=cache, **KW)
+        remote = epoch(loader)
+    assert remote[:2] == local[:2] and torch.equal(remote[2], local[2]) and loader.stats.skipped == 0
 
 
 def test_only_the_needed_part_of_a_shard_is_fetched(converted, tmp_path):
