@@ -145,6 +145,22 @@ def _worker_context():
     return ctx
 
 
+def _dead_workers_at_the_next_batch() -> None:
+    """PyTorch reports a dead worker from a SIGCHLD handler, which raises in whatever the main thread is doing at
+    that moment: a model's forward pass, an optimizer step half applied, a checkpoint being written. Its handler is
+    set once per process; put back the one it replaced, and a dead worker surfaces where it can be handled: in the
+    next batch request (the DataLoader checks its workers every few seconds while it waits for one)."""
+    import signal
+    import threading
+
+    handler = signal.getsignal(signal.SIGCHLD)
+    if threading.current_thread() is not threading.main_thread() or \
+            getattr(handler, "__qualname__", "") != "_set_SIGCHLD_handler.<locals>.handler":
+        return
+    replaced = next((c.cell_contents for c in handler.__closure__ or () if callable(c.cell_contents)), None)
+    signal.signal(signal.SIGCHLD, replaced or signal.SIG_DFL)
+
+
 def _worker_init(worker_id: int, main_pid: int) -> None:
     """DataLoader worker_init_fn: one OpenCV thread, and signals obeyed only from the process that owns us.
 
@@ -238,4 +254,6 @@ class StreamLoader(Loader):
     def _host_batches(self):
         self.dataset.epoch[0] = self.epoch
         self.dataset.position[0] = self.position
-        return iter(self.dataloader)
+        it = iter(self.dataloader)
+        _dead_workers_at_the_next_batch()
+        return it

@@ -52,6 +52,10 @@ class Run:
             raise RunError(f"{path} is damaged or not a fastpipe run's config; start a new run with another --out")
         return train
 
+    def previous_summary(self) -> dict:
+        """summary.json as the last invocation left it ({} when missing or damaged)."""
+        return _read_json(self.path / "summary.json")
+
     def start(self, config: dict) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.path / "config.json", config)
