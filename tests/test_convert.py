@@ -19,7 +19,7 @@ from conftest import COLORS, make_folder, photo
 
 from fastpipe.convert.driver import ConvertError, ShardConfig, shard
 from fastpipe.convert.inspect import inspect
-from fastpipe.errors import ConfigError
+from fastpipe.errors import ConfigError, DataError
 from fastpipe.manifest import load
 from fastpipe.shardformat import read_index
 
@@ -610,6 +610,19 @@ def test_index_refuses_text_labels_with_the_fix(tmp_path):
         sink.write({"__key__": "a", "jpg": photo(COLORS["red"]), "cls": b"red"})
     with pytest.raises(ValueError, match="not an integer class index"):
         index_shards(IndexConfig([tmp_path / "t.tar"]))
+
+
+def test_index_refuses_an_empty_tar_before_writing_anything(tmp_path):
+    """It wrote a manifest listing a shard of no samples, which every loader then refused."""
+    from fastpipe.convert.foreign import IndexConfig, index_shards
+
+    with wds.TarWriter(str(tmp_path / "good.tar")) as sink:
+        sink.write({"__key__": "a", "jpg": photo(COLORS["red"]), "cls": b"0"})
+    with tarfile.open(tmp_path / "empty.tar", "w"):
+        pass
+    with pytest.raises(DataError, match=r"empty\.tar holds no samples"):
+        index_shards(IndexConfig([tmp_path / "good.tar", tmp_path / "empty.tar"]))
+    assert not (tmp_path / "dataset.json").exists()
 
 
 # -- data safety ------------------------------------------------------------------------------------------

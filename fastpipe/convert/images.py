@@ -29,6 +29,7 @@ REASONS = (
     "missing",  # a list row names a file that does not exist
     "outside-root",  # a list row's path escapes the list's folder
     "bad-row",  # a list row without a path and a label
+    "bad-label",  # a list row whose label is not one (a 0/1 cell that is 2 or 'yes', a line break, a whole document)
     "duplicate",  # same bytes as another file of the same class: one copy is kept
     "label-conflict",  # same bytes under two different labels: all copies rejected
 )
