@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from fastpipe import cachefiles
-from fastpipe.errors import DataError
+from fastpipe.errors import DataError, FastpipeWarning
 from fastpipe.manifest import MANIFEST_NAME, Manifest, ManifestError, from_dict
 from fastpipe.shardformat import BLOCK, headers_match
 from fastpipe.storage import Remote
@@ -276,7 +276,7 @@ class ShardCache:
         self._drop(i)
         if not refetch:
             warnings.warn(f"cached copy of {self.remote.join(self.rel[i])} was damaged; it is fetched again",
-                          stacklevel=3)
+                          FastpipeWarning, stacklevel=3)
             return
         all_samples = np.arange(len(self.spans[i]))
         with self._lock:
@@ -325,7 +325,7 @@ class ShardCache:
         if used > self.limit and not self._warned:
             self._warned = True
             warnings.warn(f"the shard cache {self.folder} needs {used / 1e6:,.1f} MB for the shards of one fetch, over "
-                          f"its limit of {self.limit / 1e6:,.1f} MB: raise cache_limit", stacklevel=4)
+                          f"its limit of {self.limit / 1e6:,.1f} MB: raise cache_limit", FastpipeWarning, stacklevel=4)
 
 
 __all__ = ["ShardCache", "coalesce", "default_cache_dir", "load_remote", "tiling"]

@@ -12,11 +12,12 @@ import errno
 import signal
 import sys
 import typing
+import warnings
 from dataclasses import MISSING, fields
 from pathlib import Path
 
 from fastpipe import __version__
-from fastpipe.errors import ConfigError, FastpipeError, Interrupted
+from fastpipe.errors import ConfigError, FastpipeError, FastpipeWarning, Interrupted
 from fastpipe.urls import check_location, redact
 from fastpipe.util import local_path
 
@@ -186,7 +187,8 @@ def _cmd_memory(a) -> int:
         extra["num_classes"] = load(a.data).num_classes
     from fastpipe.train.memory import analyse, format_report
 
-    report = analyse(config_from(a, MemoryConfig, **extra), techniques=not a.no_techniques)
+    report = analyse(config_from(a, MemoryConfig, **extra), techniques=not a.no_techniques,
+                     log=lambda line: print(line, file=sys.stderr, flush=True))
     print(format_report(report))
     if a.json:
         Path(a.json).write_text(json.dumps(report.as_dict(), indent=2))
@@ -292,8 +294,17 @@ def _on_sigterm(signum, frame):
     raise Interrupted("SIGTERM")
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None, _plain=warnings.showwarning):
+    """fastpipe's own warnings as one line each, without the source line Python adds; others as usual."""
+    if issubclass(category, FastpipeWarning):
+        print(f"fastpipe: warning: {redact(str(message))}", file=file or sys.stderr)
+    else:
+        _plain(message, category, filename, lineno, file, line)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    warnings.showwarning = _show_warning
     # Ctrl-C must reach us even when started from a script in the background (which starts Python with SIGINT
     # ignored), so that every command ends through the same clean-up and message.
     previous = signal.signal(signal.SIGTERM, _on_sigterm), signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -331,7 +331,13 @@ def load(folder: str | os.PathLike, storage_options: dict | None = None, cache_d
     if path.is_dir():
         path = path / MANIFEST_NAME
     if not path.exists():
-        raise ManifestError(f"{path} not found: run `fastpipe shard SRC {path.parent}` first, "
+        folder = path.parent
+        if folder.is_dir() and any(folder.iterdir()):  # the photos themselves, most likely: never shard into them
+            out = f"{str(folder).rstrip('/')}-shards"
+            raise ManifestError(f"{folder} holds no dataset.json: if it holds your photos, convert them into a new "
+                                f"folder first, `fastpipe shard {folder} {out}`, and use {out}; for shards written by "
+                                f"another tool: `fastpipe index SHARDS...`")
+        raise ManifestError(f"{path} not found: run `fastpipe shard SRC {folder}` first, "
                             f"or `fastpipe index SHARDS...` for shards written by another tool")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))

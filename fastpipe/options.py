@@ -86,6 +86,21 @@ def parse_procs(text):
     return n
 
 
+def amp_for(amp: str | None, cuda: bool) -> str:
+    """The mixed precision a device gets: fp16 by default on CUDA, off on a CPU. fp16 asked for on a CPU is off,
+    said once: PyTorch has no fast fp16 kernels there (about 20x slower than fp32)."""
+    if amp == "fp16" and not cuda:
+        import warnings
+
+        from fastpipe.errors import FastpipeWarning
+
+        warnings.warn("--amp fp16 on a CPU is about 20x slower than fp32 (no fp16 kernels there): running with --amp "
+                      "off; --amp bf16 helps only on CPUs with bf16 instructions (AVX-512 BF16, AMX)", FastpipeWarning,
+                      stacklevel=3)
+        return "off"
+    return amp or ("fp16" if cuda else "off")
+
+
 def parse_onoff(text):
     if isinstance(text, bool) or text is None:
         return text

@@ -111,8 +111,10 @@ def transient(e: BaseException) -> bool:
 
 
 def refused(e: BaseException) -> bool:
-    """The store said no to these credentials: retrying will not change its mind."""
+    """The store said no to these credentials, or there are none: retrying will not change that."""
     if isinstance(e, PermissionError) or _status(e) in (401, 403):
+        return True
+    if "Credential" in type(e).__name__ or "Authentication" in type(e).__name__:  # botocore, google-auth, Azure
         return True
     return type(e) is OSError and str(e).startswith("Forbidden")  # gcsfs's 403 is a plain OSError
 
@@ -283,6 +285,17 @@ class Remote:
         except RemoteError as e:
             if not isinstance(e.__cause__, FileNotFoundError):
                 raise
+
+    def check_writable(self) -> None:
+        """Write and remove a small object, before work that ends in uploads: a missing bucket, missing or refused
+        credentials fail here, at once, not after a whole conversion."""
+        fs, root, _ = self._client()
+        probe = ".fastpipe-write-check"
+        try:
+            self._retry(lambda: fs.pipe_file(f"{root}/{probe}", b"fastpipe"), self.join(probe))
+            self.delete(probe)
+        except RemoteError as e:
+            raise RemoteError(f"cannot write to {self.url} (nothing was converted yet): {e}") from e.__cause__
 
     def exists(self, rel: str) -> bool:
         fs, root, _ = self._client()

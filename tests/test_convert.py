@@ -588,6 +588,8 @@ def test_doctor_runs_and_reports(capsys):
     assert run_doctor() == 0  # nothing on a CPU-only machine is broken
     out = capsys.readouterr().out
     assert "torch build" in out and "Pillow" in out and "CPU cores" in out
+    if "nvidia-smi not found" in out:  # a machine without a GPU is told one thing, not 'install the driver' too
+        assert "install the driver" not in out and "no GPU on this machine" in out
 
 
 def test_missing_or_damaged_manifest_says_what_to_run(tmp_path):
@@ -610,6 +612,17 @@ def test_index_refuses_text_labels_with_the_fix(tmp_path):
         sink.write({"__key__": "a", "jpg": photo(COLORS["red"]), "cls": b"red"})
     with pytest.raises(ValueError, match="not an integer class index"):
         index_shards(IndexConfig([tmp_path / "t.tar"]))
+
+
+def test_the_summary_counts_what_was_written_and_what_changed_colour(tmp_path):
+    """'94 images converted' when 92 were written; grey and transparent photos converted to RGB without a word."""
+    src = make_folder(tmp_path / "src", {"red": 4, "green": 4})
+    (src / "red" / "grey.png").write_bytes(photo(COLORS["red"], fmt="PNG", mode="L"))
+    (src / "red" / "alpha.png").write_bytes(photo(COLORS["red"], fmt="PNG", mode="RGBA"))
+    (src / "green" / "cut.jpg").write_bytes(photo(COLORS["green"])[:300])  # truncated: rejected while converting
+    text = "\n".join(shard(cfg(src, tmp_path / "out", val_fraction=0)).lines())
+    assert "11 images processed" in text and "10 written, 1 rejected while converting" in text, text
+    assert "converted to RGB: 1 grayscale, 1 with transparency (flattened onto white)" in text, text
 
 
 def test_index_refuses_an_empty_tar_before_writing_anything(tmp_path):

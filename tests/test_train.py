@@ -217,6 +217,11 @@ def test_memory_cli_prints_the_breakdown():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "optimizer state" in r.stdout and "largest batch that fits" in r.stdout
+    assert "measuring resnet18 at 64px" in r.stderr  # said before the seconds it takes
+    lines = {ln.split()[0]: ln for ln in r.stdout.splitlines() if ln.startswith("  ") and " MB" in ln}
+    mb = [float(ln.split("MB")[0].split()[-1]) for k, ln in lines.items() if k not in ("total", "against")]
+    total = float(lines["total"].split("MB")[0].split()[-1])
+    assert sum(mb) == pytest.approx(total, abs=0.3)  # the column adds up to its total
 
 
 # -- on a GPU ---------------------------------------------------------------------------------------
@@ -320,7 +325,9 @@ def test_ctrl_c_and_sigterm_leave_a_summary_and_the_resume_command(converted, tm
     assert p.returncode == code, err[-2000:]
     assert _summary(out)["status"] == status
     assert f"--out {out} --resume" in err and "Traceback" not in err
+    assert f"{signal.Signals(sig).name}: stopping after this step, with a checkpoint" in err  # said when received
     if sig == signal.SIGINT:
+        assert "Ctrl-C again to stop at once" in err
         return
     # ... and that command continues the run
     r = subprocess.run([sys.executable, "-m", "fastpipe", "train", str(converted), "--out", str(out), "--resume",
@@ -468,6 +475,27 @@ def test_an_image_size_above_the_stored_side_warns(converted):
         make_loader(converted, "torch", batch_size=4, image_size=96, device="cpu", num_workers=0)
 
 
+def test_what_a_cpu_run_should_know_is_one_line_each(converted, tmp_path):
+    """fp16 on a CPU ran about 20x slower than fp32; an image size above the stored side was a raw UserWarning with a
+    source line; neither is now: each is one line of fastpipe's, and the run goes on in fp32."""
+    r = subprocess.run([sys.executable, "-m", "fastpipe", "train", str(converted), "--out", str(tmp_path / "r"),
+                        "--amp", "fp16", "--image-size", "96", "--epochs", "1", "--batch-size", "8", "--workers", "0",
+                        "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "fastpipe: warning: --amp fp16 on a CPU is about 20x slower than fp32" in r.stderr
+    assert "fastpipe: warning: image_size 96 is larger than the stored short side (64 px)" in r.stderr
+    assert "UserWarning" not in r.stderr and "warnings.warn" not in r.stderr and "lr_scheduler" not in r.stderr
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["train"]["amp"] == "off"
+
+
+def test_training_the_photo_folder_suggests_a_new_folder_not_the_photos(folder, capsys):
+    from fastpipe.cli import main
+
+    assert main(["train", str(folder), "--epochs", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"`fastpipe shard {folder} {folder}-shards`" in err and f"shard SRC {folder}`" not in err
+
+
 # -- mid-epoch resumption ------------------------------------------------------------------------------------
 TRAIN = ["--batch-size", "4", "--image-size", "32", "--device", "cpu", "--workers", "1", "--log-every", "2",
          "--optimizer", "adamw", "--lr", "0.001"]
@@ -565,6 +593,21 @@ def test_errors_csv_names_the_most_confident_mistakes(converted, tmp_path):
     conf = [float(r.split(",")[1]) for r in rows[1:]]
     assert conf == sorted(conf, reverse=True)
     assert (run / "errors.jpg").stat().st_size > 5000
+    from PIL import Image
+
+    from fastpipe.train.errors import CELL, COLS, _clip
+
+    assert Image.open(run / "errors.jpg").width == min(COLS, len(rows) - 1) * CELL  # no empty columns
+    assert _clip("leaf_blight/IMG_20240101_123456.jpg", 12, keep_end=True) == "…_123456.jpg"
+    assert _clip("early_blight_of_tomato", 8) == "early_b…"
+
+
+def test_runs_lists_each_figure_in_its_own_unit():
+    from fastpipe.train.runs import format_runs
+
+    text = format_runs([{"run": "a", "img/s": 3.855, "wait%": 2.156, "peak MB": 812.4, "val acc/mAP": 0.9133,
+                         "minutes": 12.25, "status": "finished"}])
+    assert text.splitlines()[1].split() == ["a", "3.9", "2%", "812", "0.913", "12.2", "finished"]
 
 
 def test_resume_under_torchrun_with_another_process_count(converted, tmp_path):

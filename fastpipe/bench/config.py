@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from fastpipe.loaders import BACKEND_NAMES
-from fastpipe.options import MAX_IMAGE_SIZE, check, opt, parse_onoff, parse_workers
+from fastpipe.options import MAX_IMAGE_SIZE, amp_for, check, opt, parse_onoff, parse_workers
 from fastpipe.urls import check_location
 
 CPU_BUDGET = 300.0  # seconds for a whole bench on a CPU unless --max-seconds says otherwise
@@ -46,7 +46,7 @@ class BenchConfig:
 
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         cuda = device.startswith("cuda")
-        return replace(self, device=device, amp=self.amp or ("fp16" if cuda else "off"),
+        return replace(self, device=device, amp=amp_for(self.amp, cuda),
                        channels_last=cuda if self.channels_last is None else self.channels_last,
                        max_seconds=self.max_seconds or (None if cuda else CPU_BUDGET))
 

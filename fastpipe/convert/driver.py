@@ -95,6 +95,11 @@ class ShardConfig:
         return [n if self.parts == 1 else f"{n}-{self.part:03d}" for n in SPLITS]
 
 
+MODE_NAMES = {"L": "grayscale", "LA": "grayscale with transparency (flattened onto white)", "1": "black-and-white",
+              "RGBA": "with transparency (flattened onto white)", "P": "palette", "CMYK": "CMYK", "YCbCr": "YCbCr",
+              "I;16": "16-bit grayscale", "I": "32-bit grayscale", "F": "floating-point"}
+
+
 @dataclass
 class Summary:
     out: Path
@@ -102,7 +107,9 @@ class Summary:
     written: dict[str, int] = field(default_factory=dict)
     rejected: Counter = field(default_factory=Counter)
     seconds: float = 0.0
-    converted_now: int = 0
+    converted_now: int = 0  # files read and converted (or rejected while converting) by this invocation
+    written_now: int = 0  # ... of which written into shards
+    modes: Counter = field(default_factory=Counter)  # ... written from another colour mode than RGB
     up_to_date: bool = False
     ignored: int = 0
     notes: list[str] = field(default_factory=list)
@@ -119,7 +126,11 @@ class Summary:
         if self.up_to_date:
             out.append(f"{self.out} is already complete for these settings: nothing to do")
         else:
-            out.append(f"{self.converted_now} images converted in {self.seconds:.1f} s ({rate:.1f} img/s)")
+            out.append(f"{self.converted_now} images processed in {self.seconds:.1f} s ({rate:.1f} img/s): "
+                       f"{self.written_now} written, {self.converted_now - self.written_now} rejected while converting")
+            if self.modes:
+                out.append("converted to RGB: " + ", ".join(f"{n} {MODE_NAMES.get(m, m)}" for m, n in
+                                                            sorted(self.modes.items(), key=lambda x: -x[1])))
         return out
 
 
@@ -179,11 +190,14 @@ class _SplitRun:
         self.progress.add(entry)
         self._reset_pending(len(self.counts))
 
-    def add(self, result, classes) -> None:
+    def add(self, result, classes, summary: Summary) -> None:
         sample = self.samples[self.pos]
         if isinstance(result, images.Rejected):
             self.rejected.append({"path": sample.path, "reason": result.reason, "detail": result.detail})
         else:
+            summary.written_now += 1
+            if result.mode != "RGB":
+                summary.modes[result.mode] += 1
             self.writer.write(f"{sample.pos:08d}", _sample_parts(result, sample, classes))
             self.stats = self.stats + Stats(result.size[0] * result.size[1], result.pixel_sum, result.pixel_sumsq)
             for k in sample.label if isinstance(sample.label, tuple) else (sample.label,):
@@ -225,14 +239,14 @@ def _is_hex(text: str) -> bool:
     return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
 
 
-def _convert_split(name, samples, root: Path, run: _SplitRun, classes, pool) -> int:
+def _convert_split(name, samples, root: Path, run: _SplitRun, classes, pool, summary: Summary) -> int:
     todo = samples[run.pos:]
     paths = [str(root / s.path) for s in todo]
     # 4 a task: fewer messages per image; more would leave one worker idle longer at the end
     results = pool.imap(_convert_one, paths, chunksize=4) if pool else map(_convert_one, paths)
     try:
         for result in tqdm(results, total=len(todo), desc=f"converting {name}", unit="img", mininterval=0.5):
-            run.add(result, classes)
+            run.add(result, classes, summary)
     except BaseException:
         run.writer.abort()  # no half shard under a final name; the journal keeps the finished ones
         raise
@@ -328,7 +342,8 @@ def _run(cfg: ShardConfig, source, summary: Summary, start: float) -> None:
             p = progress.setdefault(name, SplitProgress())
             if not p.done:
                 run = _SplitRun(name, mine[name], cfg, journal, p, len(source.classes))
-                summary.converted_now += _convert_split(name, mine[name], source.root, run, source.classes, pool)
+                summary.converted_now += _convert_split(name, mine[name], source.root, run, source.classes, pool,
+                                                        summary)
         clock.lap("convert")
         # Refusals found before any decoding are recorded once, by part 0, for a cluster job.
         early_all = list(source.rejections) + early + duplicates if cfg.part == 0 else []

@@ -52,6 +52,7 @@ class Encoded:
     orig_size: tuple[int, int]  # (w, h) as the photo is meant to be seen (after EXIF rotation)
     pixel_sum: tuple[float, float, float]  # per channel, 0..1 scale, for the data set's mean/std
     pixel_sumsq: tuple[float, float, float]
+    mode: str = "RGB"  # the file's own colour mode (L, RGBA, P, CMYK, I;16...): what was converted to RGB
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,8 @@ def _open_checked(data: bytes, settings: ImageSettings) -> Image.Image | Rejecte
         return Rejected("not-an-image", "no known image format")
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         return Rejected("too-large", str(e))
+    except (OSError, SyntaxError, ValueError, IndexError, EOFError) as e:  # cut or damaged inside its header
+        return _classify_decode_error(e)
     w, h = im.size
     if w * h > settings.max_pixels:
         return Rejected("too-large", f"{w}x{h} = {w * h} pixels > --max-pixels {settings.max_pixels}")
@@ -134,7 +137,7 @@ def process(data: bytes, settings: ImageSettings) -> Encoded | Rejected:
     opened = _open_checked(data, settings)
     if isinstance(opened, Rejected):
         return opened
-    orig = opened.size
+    orig, mode = opened.size, opened.mode
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # EXIF/ICC chatter on real camera files is not actionable
@@ -148,7 +151,8 @@ def process(data: bytes, settings: ImageSettings) -> Encoded | Rejected:
     buf = io.BytesIO()
     im.save(buf, "JPEG", quality=settings.quality, optimize=False, subsampling="4:2:0")
     pixel_sum, pixel_sumsq = channel_sums(im)
-    return Encoded(jpeg=buf.getvalue(), size=im.size, orig_size=orig, pixel_sum=pixel_sum, pixel_sumsq=pixel_sumsq)
+    return Encoded(jpeg=buf.getvalue(), size=im.size, orig_size=orig, pixel_sum=pixel_sum, pixel_sumsq=pixel_sumsq,
+                   mode=mode)
 
 
 _LEVELS = np.arange(256, dtype=np.float64) / 255.0

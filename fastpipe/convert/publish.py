@@ -47,6 +47,7 @@ def shard_to_url(cfg, shard, storage_options: dict | None = None):
     mirroring progress into the store; upload the rest, dataset.json last; delete the staging folder."""
     url = str(cfg.out).rstrip("/")
     remote = Remote(url, storage_options)
+    remote.check_writable()  # before converting: a missing bucket or credentials are said now, not after the work
     staging = staging_folder(url + cfg.suffix)  # the parts of a cluster job may share a node
     name = journal_name(cfg.suffix)
     restored = _restore(staging, remote, name)

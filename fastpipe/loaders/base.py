@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from fastpipe.errors import ConfigError, DataError
+from fastpipe.errors import ConfigError, DataError, FastpipeWarning
 from fastpipe.loaders.batch import HostBatch, SampleKey
 from fastpipe.loaders.config import LoaderConfig
 from fastpipe.loaders.epoch import batches_per_epoch
@@ -106,7 +106,7 @@ def _warn_upscaling(manifest: Manifest, cfg: LoaderConfig) -> None:
     if stored and cfg.image_size > stored:
         warnings.warn(f"image_size {cfg.image_size} is larger than the stored short side ({stored} px): every "
                       f"image is upscaled, which adds no detail. Use image_size <= {stored}, or re-shard with "
-                      f"--short-side {int(cfg.image_size * 1.15)}", stacklevel=4)
+                      f"--short-side {int(cfg.image_size * 1.15)}", FastpipeWarning, stacklevel=4)
 
 
 def _refuse_what_cannot_fit(cfg: LoaderConfig, device: torch.device) -> None:
@@ -252,7 +252,7 @@ class Loader:
         x, y = self._to_device(batch)  # may find more undecodable samples (nvjpeg)
         x, y = self.step.mix(x, y, host)
         for s in batch.skipped:
-            warnings.warn(f"skipping {s}", stacklevel=4)
+            warnings.warn(f"skipping {s}", FastpipeWarning, stacklevel=4)
         keys = self.keys(batch.ids) if self.cfg.with_keys else None
         if batch.io:
             self.stats.requests += batch.io[0]

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from fastpipe.errors import FastpipeError
+from fastpipe.errors import FastpipeError, FastpipeWarning
 from fastpipe.loaders import cpu_ops
 from fastpipe.loaders.base import Loader
 from fastpipe.loaders.batch import HostBatch
@@ -245,7 +245,7 @@ class StreamLoader(Loader):
         workers, prefetch, note = fit_shared_memory(workers, self.batch_bytes(), self.cfg.prefetch_factor,
                                                     shm_free())
         if note:
-            warnings.warn(note, stacklevel=4)
+            warnings.warn(note, FastpipeWarning, stacklevel=4)
         return workers, prefetch
 
     def describe(self) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -108,7 +109,9 @@ class Trainer:
             self.scaler.step(self.opt)  # fp16: skipped when the scaled gradients hold inf/NaN
             self.scaler.update()
             self.opt.zero_grad(set_to_none=True)
-            self.sched.step()
+            with warnings.catch_warnings():  # the scaler skipping the first step (fp16) is normal, not the old order
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()` before")
+                self.sched.step()
         return torch.where(finite, loss.detach(), 0.0)
 
     def train_epoch(self, loader, epoch: int, resumed: EpochProgress | None = None) -> dict:

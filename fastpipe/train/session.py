@@ -21,7 +21,7 @@ from fastpipe import __version__
 from fastpipe.errors import ConfigError
 from fastpipe.loaders import LoaderConfig, make_loader_from
 from fastpipe.manifest import load
-from fastpipe.options import check_number
+from fastpipe.options import amp_for, check_number
 from fastpipe.train.config import RESUMABLE_CHANGES, TrainConfig, image_size_for_epoch, resumed_config
 from fastpipe.train.errors import write_errors
 from fastpipe.train.loop import Dist, EpochProgress, Trainer, TrainingStopped, make_optimizer, make_schedule
@@ -53,7 +53,7 @@ def resolve(cfg: TrainConfig, device: torch.device) -> TrainConfig:
     # SGD: the linear scaling rule (0.1 per 256 images, Goyal et al.); AdamW: its usual 1e-3, which small
     # data sets train well with (Adam's step size is less tied to the batch).
     lr = cfg.lr if cfg.lr is not None else (0.1 * eff / 256 if cfg.optimizer == "sgd" else 1e-3)
-    return replace(cfg, device=str(device), lr=lr, amp=cfg.amp or ("fp16" if cuda else "off"),
+    return replace(cfg, device=str(device), lr=lr, amp=amp_for(cfg.amp, cuda),
                    channels_last=cuda if cfg.channels_last is None else cfg.channels_last,
                    out=cfg.out or str(default_run_dir(cfg.model)))
 
