@@ -1,4 +1,4 @@
-"""Three I/O paths, each against the way it was done before, interleaved in one run (medians with ranges):
+"""Three I/O paths, each against the obvious alternative, interleaved in one run (medians with ranges):
 
 - reading a photo: `util.read_regular` (the file's size plus one byte) against `read(limit + 1)`, which allocates
   a buffer of the 1 GB limit for every file (hashing and converting both read every photo);

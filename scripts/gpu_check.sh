@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# GPU checks in one go (about 8 minutes on one GPU): the gpu-marked tests, then `fastpipe bench` on demo data for
-# resnet18 and resnet50 with the torch, nvjpeg and DALI backends, the loader benchmark, the cost of each device
-# augmentation against a ResNet-50 fp16 step at batch 256 (target: under 5 %), `fastpipe memory`'s predictions
-# against measured peaks, and a memory report.
+# GPU checks in one go, within GPU_CHECK_SECONDS (default 540 s; each step gets at most what is left): the
+# gpu-marked tests, then `fastpipe bench` on demo data for resnet18 and resnet50 with the torch, nvjpeg and DALI
+# backends, the loader benchmark, the cost of each device augmentation against a ResNet-50 fp16 step at batch 256
+# (target: under 5 %), `fastpipe memory`'s predictions against measured peaks, and a memory report.
 #   scripts/gpu_check.sh OUTDIR
 # Writes into OUTDIR: log.txt (everything, with a summary at the end), bench-resnet18.{json,png},
 # bench-resnet50.{json,png}, loaders.{json,png}, augment.{json,png}, memory-vs-measured.{json,png}, memory.json, and
-# all of them in results.tgz (the device tool brings back 8 files at most: take that one). Works with the machine's
+# all of them packed in results.tgz (one file to copy off the machine). Works with the machine's
 # own python3 and PYTHONPATH=. (no .venv needed); wheels in .whl/ (scripts/gpu_wheels.sh) are installed first when present.
 # What is missing (DALI, webdataset, pytest) is skipped with the reason in the log, never silently.
 set -uo pipefail
