@@ -39,8 +39,8 @@ _INHERITED: list = []  # a forked child's copies of its parent's clients: kept, 
 def _after_fork_in_child() -> None:
     """The parent's clients are the parent's. Freed in a child, fsspec's finalizer closes a client's session on
     the parent's event loop, which does not run here: it waited for a timeout (seconds at each worker's start,
-    seen here), then closed the connections itself, and so took their sockets out of the epoll set that parent and
-    child share: the parent's next requests on them waited for the full read timeout. So a child keeps them alive
+    with fsspec's HTTP client), then closed the connections itself, and so took their sockets out of the epoll set
+    that parent and child share: the parent's next requests on them waited for the full read timeout. So a child keeps them alive
     and their finalizers detached."""
     inherited = list(_MADE.values())
     if not inherited:  # a process that never read a store (local data): nothing to look through
@@ -206,8 +206,8 @@ class Remote:
     def _read(self, parts: list[tuple[str, int | None, int | None]], inflight: int | None = None) -> list[bytes]:
         """(rel, start, end) each, None for a whole object; each retried. An async client (s3fs, gcsfs, adlfs,
         http) gets them all in one call on its event loop, `inflight` at a time: a thread per request handing each
-        to that loop cost 1.8x the CPU (0.33 s against 0.19 s per 100 MB over loopback: benchmarks/bench_io.py),
-        and that comes out of decoding on a busy machine."""
+        to that loop cost 1.5x the CPU (0.36 s against 0.25 s per 100 MB over loopback: benchmarks/bench_io.py,
+        docs/results/io.json), and that comes out of decoding on a busy machine."""
         fs, root, pool = self._client()
         for rel, _, _ in parts:
             self.join(rel)  # the path policy (urls.check_relative), before any request

@@ -29,7 +29,7 @@ note() { echo "$*" | tee -a "$LOG"; SUMMARY+=("$*"); }
 mark() { wc -l < "$LOG"; }  # a step's summary greps only the lines the step wrote
 since() { tail -n +$(( $1 + 1 )) "$LOG" | grep -E "$2" | tail -1; }
 has() { $PY -c "import $1" 2>/dev/null; }
-# The whole script stays within GPU_CHECK_SECONDS (default 540: under the device tool's 10-minute call limit):
+# The whole script stays within GPU_CHECK_SECONDS (default 540 s):
 # each step gets at most what is left, and a step with under 15 s left is skipped, saying so.
 DEADLINE=$(( $(date +%s) + ${GPU_CHECK_SECONDS:-540} ))
 run() {

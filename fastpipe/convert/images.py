@@ -41,7 +41,8 @@ class ImageSettings:
     quality: int = 90
     max_pixels: int = 200_000_000
     # DCT-scale JPEGs down to at least this multiple of the target, then Lanczos. Measured on demo photos
-    # (3264x2448 -> 427x320): gap 1 is 35 % faster than gap 2 and within 0.1 dB PSNR of a full decode.
+    # (3264x2448 -> 427x320): gap 1 converts 1.56x as fast as gap 2, within 0.15 dB PSNR of a full decode
+    # (benchmarks/bench_convert.py, docs/results/convert.json).
     draft_gap: float = 1.0
 
 
@@ -160,7 +161,7 @@ _LEVELS = np.arange(256, dtype=np.float64) / 255.0
 
 def channel_sums(im: Image.Image) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Per-channel sum and sum of squares of an RGB image's pixels on the 0..1 scale, from its histogram: exact
-    (integer counts times levels), and a small fraction of the cost of summing a float copy of the pixels (1.7 % of
-    an image's conversion time against the 15-19 % measured before: benchmarks/bench_peers.py)."""
+    (integer counts times levels), and a small fraction of the cost of summing a float copy of the pixels (about
+    1.7 % of an image's conversion time against 15-19 % for the float copy: benchmarks/bench_peers.py)."""
     h = np.asarray(im.histogram(), dtype=np.float64).reshape(3, 256)
     return tuple(map(float, h @ _LEVELS)), tuple(map(float, h @ np.square(_LEVELS)))

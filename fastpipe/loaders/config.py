@@ -17,8 +17,8 @@ class LoaderConfig:
     batch_size: int = 64
     image_size: int = 224
     device: str | None = None  # None: cuda when available, else cpu
-    # None: the cores per device less one (workers.heuristic_workers); "probe": measured once per machine and data
-    # set and cached (logged); 0: decode in the training process.
+    # None: the cores per device, less one when there are more than three, at most 16 (workers.heuristic_workers);
+    # "probe": measured once per machine and data set and cached (logged); 0: decode in the training process.
     num_workers: int | str | None = None
     rank: int | None = None  # None: from torch.distributed when initialised, else 0
     world_size: int | None = None

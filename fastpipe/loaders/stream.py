@@ -134,7 +134,7 @@ def _largest_window(shards: ShardSet, batch: int) -> int:
 
 def _worker_context():
     """fork (fast, the default) unless this process holds DALI: a forked copy of a DALI pipeline hangs in its
-    destructor when the child's garbage collector meets it (seen here). Then forkserver: workers fork from a
+    destructor when the child's garbage collector meets it (DALI 2.4). Then forkserver: workers fork from a
     clean server process that has imported this module once."""
     if "nvidia.dali" not in sys.modules:
         return None
