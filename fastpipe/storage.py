@@ -40,8 +40,8 @@ def _after_fork_in_child() -> None:
     """The parent's clients are the parent's. Freed in a child, fsspec's finalizer closes a client's session on
     the parent's event loop, which does not run here: it waited for a timeout (seconds at each worker's start,
     with fsspec's HTTP client), then closed the connections itself, and so took their sockets out of the epoll set
-    that parent and child share: the parent's next requests on them waited for the full read timeout. So a child keeps them alive
-    and their finalizers detached."""
+    that parent and child share: the parent's next requests on them waited for the full read timeout. So a child
+    keeps them alive and their finalizers detached."""
     inherited = list(_MADE.values())
     if not inherited:  # a process that never read a store (local data): nothing to look through
         return
