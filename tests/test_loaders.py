@@ -593,3 +593,15 @@ def test_a_batch_that_cannot_fit_memory_is_refused_before_anything_starts(conver
 
     with pytest.raises(ConfigError, match=r"batch_size 4000 at image_size 4096 needs [\d,.]+ GB for one batch"):
         make_loader(converted, "torch", split="val", batch_size=4000, image_size=4096, device="cpu")
+
+
+@pytest.mark.parametrize("setting,says", [("min_scale", "min_scale nan: must be a finite number > 0"),
+                                          ("val_crop", "val_crop 0: must be > 0"),
+                                          ("prefetch_factor", "prefetch_factor 0: must be within 1..64"),
+                                          ("seed", "seed -1: must be within 0..")])
+def test_make_loaders_numbers_are_checked_like_the_cli_flags(converted, setting, says):
+    from fastpipe.errors import ConfigError
+
+    value = {"min_scale": float("nan"), "val_crop": 0, "prefetch_factor": 0, "seed": -1}[setting]
+    with pytest.raises(ConfigError, match=says):
+        make_loader(converted, "torch", device="cpu", num_workers=0, **{setting: value})

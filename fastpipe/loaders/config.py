@@ -5,8 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fastpipe.errors import ConfigError
+from fastpipe.options import MAX_IMAGE_SIZE, SEED_MAX, check_number
 
 SPLITS = ("train", "val")
+# (setting, type, low, high, above, below) of each number a loader takes
+NUMBERS = (("batch_size", int, 1, 65536), ("image_size", int, 16, MAX_IMAGE_SIZE), ("seed", int, 0, SEED_MAX),
+           ("shuffle_buffer", int, 1, 10**9), ("prefetch_factor", int, 1, 64), ("min_scale", float, None, 1, 0),
+           ("val_crop", float, None, 1, 0), ("label_smoothing", float, 0, None, None, 1))
 ON_ERROR = ("skip", "raise")
 
 
@@ -63,8 +68,8 @@ class LoaderConfig:
             raise ConfigError(f"cpu_decoder={self.cpu_decoder!r}: use auto, simplejpeg or pillow")
         if self.on_error not in ON_ERROR:
             raise ConfigError(f"on_error={self.on_error!r}: use one of {ON_ERROR}")
-        if self.batch_size < 1 or self.image_size < 8:
-            raise ConfigError(f"batch_size={self.batch_size}, image_size={self.image_size}: need >= 1 and >= 8")
+        for name, kind, *limits in NUMBERS:  # type, NaN/inf and range, as options.check does for the CLI's configs
+            check_number(name, getattr(self, name), kind, *limits)
         if self.world_size is not None and not 0 <= (self.rank or 0) < self.world_size:
             raise ConfigError(f"rank={self.rank} with world_size={self.world_size}: need 0 <= rank < world_size")
         if self.reuse_output:
