@@ -274,14 +274,14 @@ class Remote:
     def glob(self, pattern: str) -> list[str]:
         """Names of the objects in this folder that match `pattern` (a store that can list: not plain HTTP)."""
         fs, root, _ = self._client()
-        found = self._retry(lambda: fs.glob(f"{root}/{pattern}"), self.join(pattern))
+        found = self._retry(lambda: self._call(fs, "glob", f"{root}/{pattern}"), self.join(pattern))
         return sorted(p.rsplit("/", 1)[-1] for p in found)
 
     def delete(self, rel: str) -> None:
         """Remove an object; one already gone is fine."""
         fs, root, _ = self._client()
         try:
-            self._retry(lambda: fs.rm_file(f"{root}/{rel}"), self.join(rel))
+            self._retry(lambda: self._call(fs, "rm_file", f"{root}/{rel}"), self.join(rel))
         except RemoteError as e:
             if not isinstance(e.__cause__, FileNotFoundError):
                 raise
@@ -292,14 +292,14 @@ class Remote:
         fs, root, _ = self._client()
         probe = ".fastpipe-write-check"
         try:
-            self._retry(lambda: fs.pipe_file(f"{root}/{probe}", b"fastpipe"), self.join(probe))
+            self._retry(lambda: self._call(fs, "pipe_file", f"{root}/{probe}", b"fastpipe"), self.join(probe))
             self.delete(probe)
         except RemoteError as e:
             raise RemoteError(f"cannot write to {self.url} (nothing was converted yet): {e}") from e.__cause__
 
     def exists(self, rel: str) -> bool:
         fs, root, _ = self._client()
-        return bool(self._retry(lambda: fs.exists(f"{root}/{rel}"), self.join(rel)))
+        return bool(self._retry(lambda: self._call(fs, "exists", f"{root}/{rel}"), self.join(rel)))
 
     def get_many(self, files: list[tuple[str, os.PathLike]]) -> None:
         """Download whole objects to local files (relative name, local path), several at a time, each retried."""
@@ -307,7 +307,9 @@ class Remote:
 
         def one(item):
             rel, local = item
-            self._retry(lambda: fs.get_file(f"{root}/{rel}", str(local)), self.join(rel))
+            path = f"{root}/{rel}"
+            size = self._retry(lambda: self._call(fs, "size", path), self.join(rel)) or 0
+            self._retry(lambda: self._call(fs, "get_file", path, str(local), size=size), self.join(rel))
             self.counters.add(1, os.path.getsize(local))
 
         list(pool.map(one, files))
@@ -318,10 +320,22 @@ class Remote:
 
         def one(item):
             local, rel = item
-            self._retry(lambda: fs.put_file(str(local), f"{root}/{rel}"), self.join(rel))
-            self.counters.add(1, os.path.getsize(local))
+            size = os.path.getsize(local)
+            self._retry(lambda: self._call(fs, "put_file", str(local), f"{root}/{rel}", size=size), self.join(rel))
+            self.counters.add(1, size)
 
         list(pool.map(one, files))
+
+    def _call(self, fs, method: str, *args, size: int = 0):
+        """fs.method(*args) within its deadline, `timeout` plus `size` bytes at the floor rate: an async client's
+        call is cancelled when it passes it (fsspec's sync(timeout=)); a client without an event loop has its
+        connect and read timeouts only."""
+        coroutine = getattr(fs, f"_{method}", None) if getattr(fs, "async_impl", False) else None
+        if coroutine is None:
+            return getattr(fs, method)(*args)
+        import fsspec.asyn
+
+        return fsspec.asyn.sync(fs.loop, coroutine, *args, timeout=self.timeout + size / self.min_rate)
 
     def _retry(self, call, url: str, span: tuple[int, int] | None = None):
         for attempt in range(1, self.attempts + 1):

@@ -136,3 +136,15 @@ def test_an_index_is_held_to_the_same_limit(converted, tmp_path, fast_deadline):
     with (FolderServer(converted, Faults(endless=True, only=".idx")) as url,
           pytest.raises(RemoteError, match=r"\.idx.*over the limit")):
         make_loader(url, cache_dir=tmp_path / "cache", **KW)
+
+
+def test_a_download_that_trickles_fails_within_its_deadline(converted, tmp_path, fast_deadline):
+    """Whole-file downloads (a conversion resumed from a store, shards adopted from a bucket) have a deadline too."""
+    from fastpipe.storage import Remote
+
+    shard = load(converted).split("val").shards[0].path
+    with FolderServer(converted, Faults(trickle=0.3, only=".tar")) as url:
+        start = time.monotonic()
+        with pytest.raises(RemoteError, match=rf"{shard}"):
+            Remote(url).get_many([(shard, tmp_path / "copy.tar")])
+    assert time.monotonic() - start < 60
