@@ -22,11 +22,10 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 from fastpipe.errors import ConfigError, DataError
-from fastpipe.stores import cat_bounded, open_fs, store_environment
+from fastpipe.stores import brief, cat_bounded, open_fs, refused, store_environment, transient
 from fastpipe.urls import check_relative, check_url, redact
 from fastpipe.util import URL_RE
 
-RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}  # 409 is S3's "operation aborted, try again"
 SMALL_OBJECT = 64 << 20  # bytes: the most a whole-object read (dataset.json, a .idx, rejected.jsonl) may return
 
 
@@ -95,45 +94,6 @@ class Counters:
             out = (self.requests, self.bytes, self.retries)
             self.requests = self.bytes = self.retries = 0
         return out
-
-
-def transient(e: BaseException) -> bool:
-    """Worth another try: a 5xx or throttling status, a reset or refused connection, a timeout. Not: a missing
-    object, a refused credential, a bad request."""
-    status = _status(e)
-    if status is not None:
-        return status in RETRY_STATUS
-    if refused(e) or isinstance(e, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
-        return False
-    if isinstance(e, (TimeoutError, asyncio.TimeoutError, ConnectionError, OSError)):
-        return True
-    return type(e).__module__.split(".")[0] in ("aiohttp", "botocore", "urllib3", "requests", "google", "azure")
-
-
-def refused(e: BaseException) -> bool:
-    """The store said no to these credentials, or there are none: retrying will not change that."""
-    if isinstance(e, PermissionError) or _status(e) in (401, 403):
-        return True
-    if "Credential" in type(e).__name__ or "Authentication" in type(e).__name__:  # botocore, google-auth, Azure
-        return True
-    return type(e) is OSError and str(e).startswith("Forbidden")  # gcsfs's 403 is a plain OSError
-
-
-def _brief(e: BaseException) -> str:
-    """The first line of a store's error (the Azure SDK's go on with request ids and headers)."""
-    return (str(e).strip().splitlines() or [""])[0][:200]
-
-
-def _status(e: BaseException) -> int | None:
-    status = getattr(e, "status", None)  # aiohttp
-    if status is None:
-        status = getattr(e, "status_code", None)  # the Azure SDK (HttpResponseError)
-    if status is None and type(e).__module__.startswith("gcsfs"):
-        status = getattr(e, "code", None)  # gcsfs.retry.HttpError
-    response = getattr(e, "response", None)  # botocore
-    if status is None and isinstance(response, dict):
-        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return status if isinstance(status, int) else None
 
 
 class Remote:
@@ -355,11 +315,11 @@ class Remote:
         if isinstance(e, FileNotFoundError):
             raise RemoteError(f"{url} not found: check the URL, or that the upload finished") from e
         if refused(e):
-            raise RemoteError(f"{url}: access refused ({_brief(e)}); check the credentials (storage_options or the "
+            raise RemoteError(f"{url}: access refused ({brief(e)}); check the credentials (storage_options or the "
                               f"AWS_/GOOGLE_/AZURE_ environment)") from e
         if not transient(e) or attempt == self.attempts:
             kind = f"still failing after {attempt} attempts" if transient(e) else "failed"
-            raise RemoteError(f"reading {where} {kind}: {type(e).__name__}: {_brief(e)}") from e
+            raise RemoteError(f"reading {where} {kind}: {type(e).__name__}: {brief(e)}") from e
 
     def _backoff(self, attempt: int) -> None:
         # full jitter: many workers retrying a throttled store must not retry in step

@@ -6,10 +6,15 @@ botocore and s3fs count attempts; gcsfs makes 6, sleeping about 1, 2, 4, 8 and 1
 fixed when its class is defined; the Azure SDK retries 3 times after about 15, 18 and 24 s. Stacked under ours
 they multiply the attempts and hide them, so each is switched off here, where the client is made; and each gets
 the same connect and read timeout, so that a read that stalls fails in `timeout` seconds on every store.
+
+Also here, as each client reports them: which errors are worth another try (`transient`), which mean the
+credentials were refused or missing (`refused`), and a read held to a size limit whatever the server sends
+(`cat_bounded`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import importlib.util
 import os
@@ -120,6 +125,48 @@ def _az_retries_off(fs) -> None:
             setattr(policy, name, 0)
 
 
+RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}  # 409 is S3's "operation aborted, try again"
+
+
+def transient(e: BaseException) -> bool:
+    """Worth another try: a 5xx or throttling status, a reset or refused connection, a timeout. Not: a missing
+    object, a refused credential, a bad request."""
+    status = _status(e)
+    if status is not None:
+        return status in RETRY_STATUS
+    if refused(e) or isinstance(e, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
+        return False
+    if isinstance(e, (TimeoutError, asyncio.TimeoutError, ConnectionError, OSError)):
+        return True
+    return type(e).__module__.split(".")[0] in ("aiohttp", "botocore", "urllib3", "requests", "google", "azure")
+
+
+def refused(e: BaseException) -> bool:
+    """The store said no to these credentials, or there are none: retrying will not change that."""
+    if isinstance(e, PermissionError) or _status(e) in (401, 403):
+        return True
+    if "Credential" in type(e).__name__ or "Authentication" in type(e).__name__:  # botocore, google-auth, Azure
+        return True
+    return type(e) is OSError and str(e).startswith("Forbidden")  # gcsfs's 403 is a plain OSError
+
+
+def brief(e: BaseException) -> str:
+    """The first line of a store's error (the Azure SDK's go on with request ids and headers)."""
+    return (str(e).strip().splitlines() or [""])[0][:200]
+
+
+def _status(e: BaseException) -> int | None:
+    status = getattr(e, "status", None)  # aiohttp
+    if status is None:
+        status = getattr(e, "status_code", None)  # the Azure SDK (HttpResponseError)
+    if status is None and type(e).__module__.startswith("gcsfs"):
+        status = getattr(e, "code", None)  # gcsfs.retry.HttpError
+    response = getattr(e, "response", None)  # botocore
+    if status is None and isinstance(response, dict):
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return status if isinstance(status, int) else None
+
+
 class ObjectTooLarge(DataError):
     """A store answered with more bytes than were asked for, or than a small object may have."""
 
@@ -184,4 +231,5 @@ def installed_protocols() -> dict[str, bool]:
             for p, m in (("s3", "s3fs"), ("gs", "gcsfs"), ("az", "adlfs"), ("http", "aiohttp"))}
 
 
-__all__ = ["PROTOCOL_EXTRAS", "ObjectTooLarge", "cat_bounded", "installed_protocols", "open_fs", "store_environment"]
+__all__ = ["PROTOCOL_EXTRAS", "ObjectTooLarge", "brief", "cat_bounded", "installed_protocols", "open_fs", "refused",
+           "store_environment", "transient"]
