@@ -376,7 +376,10 @@ def test_ctrl_c_while_a_shard_closes_leaves_a_folder_the_rerun_resumes(tmp_path,
     def replace(a, b):  # the first shard's rename: Ctrl-C arrives just before it
         if str(a).endswith(".tar.tmp") and not sent:
             sent.append(a)
-            os.kill(os.getpid(), signal.SIGINT)
+            # to this thread: os.kill would send it to the process, which the kernel may hand to any other thread
+            # (a library's), whose handler runs whenever that thread is next scheduled: on a busy machine, after
+            # the shard closed
+            signal.raise_signal(signal.SIGINT)
         return real(a, b)
 
     monkeypatch.setattr(os, "replace", replace)
