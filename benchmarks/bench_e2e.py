@@ -1,5 +1,5 @@
 """End-to-end training images/s for resnet18 and resnet50 with each loader backend (fastpipe bench's three
-measurements per combination), on this machine's device.
+measurements per combination), on the device the script runs on (CUDA when available, else the CPU).
 
     python benchmarks/bench_e2e.py --shards OUT --json bench-results/e2e.json --plot bench-results/e2e.png
 """

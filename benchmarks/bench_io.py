@@ -1,9 +1,10 @@
-"""Three I/O paths, each against the way it was done before, interleaved in one run (medians with ranges):
+"""Three I/O paths, each against the obvious alternative, interleaved in one run (medians with ranges):
 
 - reading a photo: `util.read_regular` (the file's size plus one byte) against `read(limit + 1)`, which allocates
   a buffer of the 1 GB limit for every file (hashing and converting both read every photo);
 - range requests to a store: `Remote.ranges` (one `cat_ranges` call on the client's event loop) against a thread
-  per request, over loopback HTTP (fastpipe.devserver in its own process), CPU seconds of this process per 100 MB;
+  per request, over loopback HTTP (fastpipe.testing.devserver in its own process), CPU seconds of this process per
+  100 MB;
 - a tar member's header, as the converter writes 3 to 4 per image: `shardformat.tar_header` against tarfile's
   `TarInfo.tobuf` (the same bytes), µs per header.
 

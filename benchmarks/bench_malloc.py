@@ -4,7 +4,7 @@ per image.
 
     python benchmarks/bench_malloc.py --raw RAW_FOLDER --rounds 7 --json bench-results/malloc.json
 
-Each run is a fresh Python process that calls `fastpipe.shard()` once, as a user's script or notebook does: glibc
+Each run is a fresh Python process that calls the converter's `shard()` once, as a user's script or notebook does: glibc
 adjusts its thresholds as a process allocates and frees, and forked workers inherit that state, so a process that
 had already converted would measure something else. Without RAW a demo set (200 photos, 1632x1224) is generated.
 """

@@ -165,8 +165,8 @@ def conversion(raw: Path, items, base: Path, args) -> dict:
     reuse_freed_memory()
 
     def bound():  # one process, the same per-image work, no writing: measured in every round, as drift is large.
-        # Every photo the tools convert: the first 60 by path (what it once took) are one or two classes, and a
-        # class's photos can decode 15 % faster or slower than another's (timed by hand).
+        # Every photo the tools convert, not a subset: the first photos by path are one or two classes, and one
+        # class's photos can decode faster or slower than another's.
         t = time.perf_counter()
         for it in items:
             convert_one(it)

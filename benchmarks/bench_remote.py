@@ -1,7 +1,7 @@
 """Reading a data set from a store: loader images/s over loopback HTTP with added latency, against the local disk.
 
-The same shards are served by fastpipe.devserver in its own process (Range requests, `--latency` ms added to every
-request, as a store's time to first byte) and read with an empty node cache (the first epoch on a fresh machine:
+The same shards are served by fastpipe.testing.devserver in its own process (Range requests, `--latency` ms added to
+every request, as a store's time to first byte) and read with an empty node cache (the first epoch on a fresh machine:
 every byte comes over HTTP), then by a new loader from the filled cache (a later run, or epoch). Local and remote
 runs are interleaved in rounds; medians with ranges. On a machine whose cores all decode, the server's and the reading
 path's CPU time (HTTP client, cache writes, sha256 checks) comes out of decoding: the table gives both, as the
@@ -66,7 +66,7 @@ def make_shards(args) -> Path:
 @contextlib.contextmanager
 def served(folder: Path, ms: float):
     """A FolderServer in a process of its own (a store is not in the trainer's process)."""
-    code = ("import sys, time; from fastpipe.devserver import Faults, FolderServer\n"
+    code = ("import sys, time; from fastpipe.testing.devserver import Faults, FolderServer\n"
             "with FolderServer(sys.argv[1], Faults(latency=float(sys.argv[2]))) as url:\n"
             "    print(url, flush=True); time.sleep(3600)")
     p = subprocess.Popen([sys.executable, "-c", code, str(folder), str(ms / 1000)], stdout=subprocess.PIPE, text=True)

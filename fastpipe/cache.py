@@ -21,16 +21,19 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import mmap
 import os
 import threading
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from fastpipe import cachefiles
-from fastpipe.errors import DataError
+from fastpipe.errors import DataError, FastpipeWarning
+from fastpipe.manifest import MANIFEST_NAME, Manifest, ManifestError, from_dict
 from fastpipe.shardformat import BLOCK, headers_match
 from fastpipe.storage import Remote
 
@@ -45,6 +48,26 @@ def default_cache_dir() -> Path:
     env = os.environ.get("FASTPIPE_CACHE")
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return Path(env) if env else base / "fastpipe" / "shards"
+
+
+def load_remote(url: str, storage_options: dict | None, cache_dir, cache_limit) -> Manifest:
+    """A data set in a store: its dataset.json, checked as a local one is (errors name its URL), with the store's
+    client attached, this node's cache folder (private to its user: cachefiles) and the cache's size limit ("50GB";
+    None: no limit). The URL is checked before anything is created."""
+    from fastpipe.options import parse_size
+
+    url = url.rstrip("/")
+    url = url[: -len(MANIFEST_NAME) - 1] if url.endswith("/" + MANIFEST_NAME) else url
+    limit = parse_size(cache_limit, bare="GB") if cache_limit not in (None, "", 0) else None
+    remote = Remote(url, storage_options, cache_limit=limit)
+    remote.cache_dir = cachefiles.private_folder(Path(cache_dir) if cache_dir else default_cache_dir())
+    data = remote.cat(MANIFEST_NAME)  # a missing one: RemoteError naming the URL
+    try:
+        d = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ManifestError(f"{url}/{MANIFEST_NAME} is damaged ({type(e).__name__}: {e}); re-run the conversion"
+                            ) from e
+    return replace(from_dict(d, remote.cache_dir, url), remote=remote)
 
 
 def coalesce(spans: np.ndarray, gap: int = GAP, largest: int = MAX_REQUEST) -> list[tuple[int, int, np.ndarray]]:
@@ -80,7 +103,7 @@ class ShardCache:
         self.remote, self.folder, self.limit = remote, Path(folder), limit
         self.rel, self.sizes, self.sha, self.spans = rel_paths, sizes, sha256s, spans
         self.heads = heads  # per shard, each sample's image member: (its header's offset, its size), as indexed
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder = cachefiles.private_folder(self.folder)  # (the same folder when the caller made it private)
         self._open: dict[int, tuple[int, mmap.mmap, np.ndarray]] = {}
         # Two locks, so that decoding never waits behind a fetch ahead: `_lock` guards `_open` and is held only
         # briefly; `_fetching` makes one thread at a time fetch, verify or evict (byte-range locks keep other
@@ -106,14 +129,17 @@ class ShardCache:
         f = self._open.get(i)
         if f is None:
             path, size = self.path(i), self.sizes[i] + len(self.spans[i])
-            if path.exists() and path.stat().st_size != size:
+            fd = cachefiles.open_own(path, os.O_RDWR) if os.path.lexists(path) else None  # no link, no one else's
+            if fd is not None and os.fstat(fd).st_size != size:
                 # The same bytes cached under another index (`inspect --repair` leaves samples out of the .idx,
                 # not the tar): its presence bytes count other samples, so this copy starts again.
+                os.close(fd)
+                fd = None
                 for p in (path, cachefiles.stamp_path(path)):
                     p.unlink(missing_ok=True)
-            if not path.exists():
+            if fd is None:
                 cachefiles.create_sparse(path, size)
-            fd = os.open(path, os.O_RDWR)
+                fd = cachefiles.open_own(path, os.O_RDWR)
             m = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
             f = self._open[i] = (fd, m, np.frombuffer(m, np.uint8)[self.sizes[i]:])
             cachefiles.touch(path)
@@ -144,6 +170,16 @@ class ShardCache:
                 self._fetch(todo, keep=set(wanted))
             with self._lock:  # before anything else may evict them
                 return {i: self._file(i)[1] for i in wanted}
+
+    def forget(self, i: int, js: np.ndarray) -> None:
+        """Mark samples `js` of shard i absent, so that the next `ensure` fetches them again: a sample whose cached
+        bytes do not decode may be damage in the cache (a presence byte set without its bytes), not in the data."""
+        with self._fetching:
+            with self._lock:
+                fd = self._file(i)[0]
+            for j in np.unique(js).tolist():
+                os.pwrite(fd, b"\0", self.sizes[i] + j)
+            cachefiles.stamp_path(self.path(i)).unlink(missing_ok=True)
 
     def _missing(self, wanted: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
         todo = {}
@@ -240,7 +276,7 @@ class ShardCache:
         self._drop(i)
         if not refetch:
             warnings.warn(f"cached copy of {self.remote.join(self.rel[i])} was damaged; it is fetched again",
-                          stacklevel=3)
+                          FastpipeWarning, stacklevel=3)
             return
         all_samples = np.arange(len(self.spans[i]))
         with self._lock:
@@ -270,7 +306,7 @@ class ShardCache:
         files = []
         for e in os.scandir(self.folder):
             if e.name.endswith(".shard"):
-                st = e.stat()
+                st = e.stat(follow_symlinks=False)
                 files.append((st.st_atime_ns, st.st_blocks * 512, Path(e.path)))
         used = sum(f[1] for f in files)
         kept = {self.path(i) for i in keep}
@@ -289,7 +325,7 @@ class ShardCache:
         if used > self.limit and not self._warned:
             self._warned = True
             warnings.warn(f"the shard cache {self.folder} needs {used / 1e6:,.1f} MB for the shards of one fetch, over "
-                          f"its limit of {self.limit / 1e6:,.1f} MB: raise cache_limit", stacklevel=4)
+                          f"its limit of {self.limit / 1e6:,.1f} MB: raise cache_limit", FastpipeWarning, stacklevel=4)
 
 
-__all__ = ["ShardCache", "coalesce", "default_cache_dir", "tiling"]
+__all__ = ["ShardCache", "coalesce", "default_cache_dir", "load_remote", "tiling"]

@@ -12,11 +12,13 @@ import errno
 import signal
 import sys
 import typing
+import warnings
 from dataclasses import MISSING, fields
 from pathlib import Path
 
 from fastpipe import __version__
-from fastpipe.errors import ConfigError, FastpipeError, Interrupted
+from fastpipe.errors import ConfigError, FastpipeError, FastpipeWarning, Interrupted
+from fastpipe.urls import check_location, redact
 from fastpipe.util import local_path
 
 # OS errors that are the environment's, not a bug: reported in one line with the file they concern.
@@ -66,7 +68,7 @@ def add_config(p: argparse.ArgumentParser, cls, skip=()) -> None:
         if m["positional"]:
             p.add_argument(f.name, metavar=m["flag"] or f.name.upper(), nargs=m["nargs"], type=_argtype(parse),
                            help=m["help"])
-        elif kind is bool:
+        elif kind is bool and not m["sweep"]:
             action = "store_true" if default is False else argparse.BooleanOptionalAction
             p.add_argument(m["flag"] or f"--{f.name.replace('_', '-')}", dest=f.name, action=action,
                            default=argparse.SUPPRESS, help=m["help"] + shown)
@@ -115,6 +117,7 @@ def _cmd_shard(a) -> int:
 
 
 def _cmd_merge(a) -> int:
+    check_location(a.out)
     from fastpipe.convert.merge import merge_parts
 
     manifest = merge_parts(a.out)  # a folder, or a URL
@@ -149,6 +152,7 @@ def _cmd_index(a) -> int:
 
 
 def _cmd_inspect(a) -> int:
+    check_location(a.out)
     from fastpipe.convert.inspect import inspect
     from fastpipe.storage import is_url
 
@@ -160,9 +164,13 @@ def _cmd_inspect(a) -> int:
 
 def _cmd_train(a) -> int:
     from fastpipe.train.config import TrainConfig
+
+    settings = given(a, TrainConfig)
+    if not settings.get("resume"):
+        TrainConfig(**settings)  # every setting checked before torch is even imported
     from fastpipe.train.session import train_from_cli
 
-    run = train_from_cli(given(a, TrainConfig))
+    run = train_from_cli(settings)
     print(f"run folder: {run}")
     return 0
 
@@ -170,14 +178,17 @@ def _cmd_train(a) -> int:
 def _cmd_memory(a) -> int:
     import json
 
-    from fastpipe.train.memory import MemoryConfig, analyse, format_report
+    from fastpipe.train.config import MemoryConfig
 
     extra = {}
     if a.data:
         from fastpipe.manifest import load
 
         extra["num_classes"] = load(a.data).num_classes
-    report = analyse(config_from(a, MemoryConfig, **extra), techniques=not a.no_techniques)
+    from fastpipe.train.memory import analyse, format_report
+
+    report = analyse(config_from(a, MemoryConfig, **extra), techniques=not a.no_techniques,
+                     log=lambda line: print(line, file=sys.stderr, flush=True))
     print(format_report(report))
     if a.json:
         Path(a.json).write_text(json.dumps(report.as_dict(), indent=2))
@@ -192,10 +203,13 @@ def _cmd_runs(a) -> int:
 
 
 def _cmd_bench(a) -> int:
-    from fastpipe.bench.harness import BenchConfig, run_sweep, split_sweep
-    from fastpipe.bench.report import plot, table, write_json
+    from fastpipe.bench.config import BenchConfig, split_sweep
 
     base, sweep = split_sweep(given(a, BenchConfig))
+    BenchConfig(**base)  # checked before torch is imported (the swept values: when the grid is made)
+    from fastpipe.bench.harness import run_sweep
+    from fastpipe.bench.report import plot, table, write_json
+
     result = run_sweep(BenchConfig(**base), sweep, log=lambda line: print(line, flush=True))
     print(table(result))
     if a.json:
@@ -280,8 +294,17 @@ def _on_sigterm(signum, frame):
     raise Interrupted("SIGTERM")
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None, _plain=warnings.showwarning):
+    """fastpipe's own warnings as one line each, without the source line Python adds; others as usual."""
+    if issubclass(category, FastpipeWarning):
+        print(f"fastpipe: warning: {redact(str(message))}", file=file or sys.stderr)
+    else:
+        _plain(message, category, filename, lineno, file, line)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    warnings.showwarning = _show_warning
     # Ctrl-C must reach us even when started from a script in the background (which starts Python with SIGINT
     # ignored), so that every command ends through the same clean-up and message.
     previous = signal.signal(signal.SIGTERM, _on_sigterm), signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -294,12 +317,12 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 143 if sigterm else 130
     except FastpipeError as e:
-        print(f"fastpipe {args.command}: error: {e}", file=sys.stderr)
+        print(f"fastpipe {args.command}: error: {redact(str(e))}", file=sys.stderr)
         return 2
     except OSError as e:
         if e.errno not in ENV_ERRNOS:
             raise
-        print(f"fastpipe {args.command}: error: {e.strerror} ({e.filename or e})", file=sys.stderr)
+        print(f"fastpipe {args.command}: error: {e.strerror} ({redact(str(e.filename or e))})", file=sys.stderr)
         return 2
     finally:
         signal.signal(signal.SIGTERM, previous[0])

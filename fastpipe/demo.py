@@ -19,7 +19,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 from tqdm import tqdm
 
-from fastpipe.options import opt, parse_procs
+from fastpipe.options import SEED_MAX, check, opt, parse_procs
 from fastpipe.util import local_path, usable_cores
 
 # Relative class frequencies: healthy leaves are common, corrosion is rare (20:1).
@@ -36,16 +36,17 @@ CLASSES = {
 @dataclass(frozen=True)
 class DemoConfig:
     out: Path = opt(None, "folder for the photos (one folder per class)", positional=True)
-    count: int = opt(180, "number of photos")
-    width: int = opt(3264, "photo width in pixels")
-    height: int = opt(2448, "photo height in pixels")
-    seed: int = opt(0, "seed: the same seed gives the same bytes")
+    count: int = opt(180, "number of photos", low=1, high=10_000_000)
+    width: int = opt(3264, "photo width in pixels", low=16, high=20_000)
+    height: int = opt(2448, "photo height in pixels", low=16, high=20_000)
+    seed: int = opt(0, "seed: the same seed gives the same bytes", low=0, high=SEED_MAX)
     workers: int | None = opt(None, "processes: a number (0 = in this process) or auto (every core)",
-                              parse=parse_procs)
-    portrait_fraction: float = opt(0.2, "share of photos taken in portrait orientation")
+                              parse=parse_procs, low=0, high=1024)
+    portrait_fraction: float = opt(0.2, "share of photos taken in portrait orientation", low=0, high=1)
 
     def __post_init__(self):
         object.__setattr__(self, "out", local_path(self.out, "OUT"))
+        check(self)
 
 
 def class_counts(total: int) -> dict[str, int]:

@@ -74,10 +74,12 @@ def check_torch(gpus: list[str] | None) -> list[Check]:
         return checks
     available = torch.cuda.is_available()
     if not available:
-        fix = ("no NVIDIA driver found (nvidia-smi missing): install the driver, or run on a GPU machine"
-               if not gpus else f"the driver ({gpus[0].split(',')[0]}) may be older than CUDA {cuda_build} "
-               "needs: update the driver or install a torch wheel for an older CUDA")
-        checks.append(Check("FAIL" if gpus else "WARN", "CUDA available", "no", fix))
+        if gpus:
+            checks.append(Check("FAIL", "CUDA available", "no", f"the driver ({gpus[0].split(',')[0]}) may be older "
+                                f"than CUDA {cuda_build} needs: update the driver or install a torch wheel for an "
+                                f"older CUDA"))
+        else:  # the same words as the driver line: no GPU here is a fact, not a fault
+            checks.append(Check("OK", "CUDA available", "no GPU on this machine: fastpipe runs on the CPU"))
         return checks
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
@@ -89,7 +91,7 @@ def check_torch(gpus: list[str] | None) -> list[Check]:
 
 def check_driver(gpus: list[str] | None) -> Check:
     if gpus is None:
-        return Check("WARN", "NVIDIA driver", "nvidia-smi not found", "none needed on a CPU-only machine")
+        return Check("OK", "NVIDIA driver", "none (nvidia-smi not found): needed only on a machine with an NVIDIA GPU")
     return Check("OK", "NVIDIA driver", "; ".join(gpus))
 
 

@@ -28,6 +28,11 @@ class BusyError(FastpipeError, RuntimeError):
     """Another fastpipe process is writing into the same folder."""
 
 
+class FastpipeWarning(UserWarning):
+    """Something a user should know that does not stop the work (a sample skipped, an image upscaled). The CLI
+    prints it as one line, `fastpipe: warning: ...`; in Python it is an ordinary warning, filterable by class."""
+
+
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C (SIGINT) or SIGTERM (Slurm, Kubernetes, a spot instance going away), raised where stopping is safe."""
 

@@ -11,9 +11,10 @@ import math
 import os
 import re
 from dataclasses import asdict, dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
-from fastpipe.errors import DataError
+from fastpipe.errors import ConfigError, DataError
+from fastpipe.urls import check_relative
 from fastpipe.util import write_json_atomic
 
 FORMAT = "fastpipe-dataset"
@@ -184,15 +185,17 @@ def save(manifest: Manifest, folder: Path | None = None) -> Path:
     return path
 
 
-def from_dict(d: dict, root: Path) -> Manifest:
+def from_dict(d: dict, root: Path, where: str | None = None) -> Manifest:
     """Build a Manifest from parsed JSON, checking every field on the way (see _Check): one clear ManifestError
-    for a wrong type, a range, a path outside the folder or a count that does not add up."""
-    c = _Check(Path(root))
+    for a wrong type, a range, a path outside the folder or a count that does not add up. `where` names the data
+    set in messages (its URL when it came from a store; `root` is then the local cache)."""
+    where = where or str(root)
+    c = _Check(where)
     c.expect(isinstance(d, dict), "", "a JSON object")
     if d.get("format") != FORMAT:
-        raise ManifestError(f"{root}: not a fastpipe dataset.json (format={d.get('format')!r})")
+        raise ManifestError(f"{where}: not a fastpipe dataset.json (format={d.get('format')!r})")
     if not isinstance(d.get("version", 0), int) or d.get("version", 0) > VERSION:
-        raise ManifestError(f"{root}: dataset.json version {d.get('version')!r} is newer than this fastpipe "
+        raise ManifestError(f"{where}: dataset.json version {d.get('version')!r} is newer than this fastpipe "
                             f"understands ({VERSION}): upgrade fastpipe")
     classes = c.strings(d.get("classes"), "classes")
     c.expect(len(set(classes)) == len(classes) and classes, "classes", "a non-empty list of distinct names")
@@ -208,13 +211,13 @@ def from_dict(d: dict, root: Path) -> Manifest:
     paths = [s.path for sp in splits.values() for s in sp.shards]
     dup = sorted({p for p in paths if paths.count(p) > 1})
     c.expect(not dup, "splits", f"each shard listed once (listed twice: {dup[:3]})")
-    stats = c.stats(d.get("stats"), splits)
+    stats = c.stats(d.get("stats"), splits, d)
     settings = d.get("settings", {})
     c.expect(isinstance(settings, dict), "settings", "an object")
     try:
         components = Components(**comp)
     except TypeError as e:
-        raise ManifestError(f"{root / MANIFEST_NAME}: components: {e}") from None
+        raise ManifestError(f"{where}/{MANIFEST_NAME}: components: {e}") from None
     return Manifest(tuple(classes), splits, stats, settings, components, Path(root), c.outputs(d.get("outputs", {})),
                     task)
 
@@ -226,13 +229,13 @@ _SHA = re.compile(r"[0-9a-f]{64}")
 class _Check:
     """Field checks for from_dict; each failure names the field, what it holds and what is expected."""
 
-    def __init__(self, root: Path):
-        self.root = root
+    def __init__(self, where: str):
+        self.file = f"{where.rstrip('/')}/{MANIFEST_NAME}"
 
     def expect(self, ok, where: str, expected: str, got=None) -> None:
         if not ok:
             held = f" (holds {str(got)[:60]!r})" if got is not None else ""
-            raise ManifestError(f"{self.root / MANIFEST_NAME}: {where or 'the file'} should be {expected}{held}; "
+            raise ManifestError(f"{self.file}: {where or 'the file'} should be {expected}{held}; "
                                 f"re-run the conversion (`fastpipe shard` or `fastpipe index`) to rewrite it")
 
     def integer(self, v, where: str, low: int = 0) -> int:
@@ -245,12 +248,12 @@ class _Check:
         return v
 
     def inside(self, v, where: str) -> str:
-        """A relative path that stays inside the manifest's folder (no absolute path, no '..')."""
-        self.expect(isinstance(v, str) and v, where, "a file name", v)
-        p = PurePosixPath(v)
-        self.expect(not p.is_absolute() and ".." not in p.parts and "\\" not in v, where,
-                    "a path inside the data set's folder", v)
-        return v
+        """A relative path inside the manifest's folder, as every store will request it (urls.check_relative)."""
+        try:
+            return check_relative(v, where)
+        except ConfigError as e:
+            raise ManifestError(f"{self.file}: {e}; a dataset.json lists only files inside the data set's folder. "
+                                f"Re-run the conversion, or do not use a data set from this source") from None
 
     def shard(self, s, where: str) -> ShardInfo:
         self.expect(isinstance(s, dict), where, "an object", s)
@@ -287,7 +290,8 @@ class _Check:
             self.inside(out["rejected"], "outputs.rejected")
         return out
 
-    def stats(self, st, splits: dict[str, SplitInfo]) -> Stats:
+    def stats(self, st, splits: dict[str, SplitInfo], d: dict) -> Stats:
+        """stats, and the mean/std written from them: a hand edit of either is refused, not silently ignored."""
         self.expect(isinstance(st, dict), "stats", "an object with pixels, sum and sumsq", st)
         pixels = self.integer(st.get("pixels"), "stats.pixels")
         train = splits.get("train")
@@ -300,7 +304,14 @@ class _Check:
                 isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in v),
                 f"stats.{name}", "three finite non-negative numbers", v)
             vecs.append(tuple(float(x) for x in v))
-        return Stats(pixels, vecs[0], vecs[1])
+        stats = Stats(pixels, vecs[0], vecs[1])
+        for name, derived in (("mean", stats.mean), ("std", stats.std)):  # written for readers; stats is the source
+            given, shown = d.get(name, list(derived)), ", ".join(f"{v:.4f}" for v in derived)
+            self.expect(isinstance(given, list) and len(given) == 3 and all(
+                isinstance(x, (int, float)) and math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-9)
+                for x, y in zip(given, derived)), name, f"what its stats give ({shown}): a hand edit of mean/std is "
+                f"not used (fastpipe normalises with the stored train images' statistics)", given)
+        return stats
 
 
 def load(folder: str | os.PathLike, storage_options: dict | None = None, cache_dir: str | os.PathLike | None = None,
@@ -311,38 +322,25 @@ def load(folder: str | os.PathLike, storage_options: dict | None = None, cache_d
     from fastpipe.storage import is_url
 
     if is_url(os.fspath(folder)):
-        return _load_remote(os.fspath(folder), storage_options, cache_dir, cache_limit)
+        from fastpipe.cache import load_remote
+
+        return load_remote(os.fspath(folder), storage_options, cache_dir, cache_limit)
     from fastpipe.util import local_path
 
     path = local_path(folder, "data set")
     if path.is_dir():
         path = path / MANIFEST_NAME
     if not path.exists():
-        raise ManifestError(f"{path} not found: run `fastpipe shard SRC {path.parent}` first, "
+        folder = path.parent
+        if folder.is_dir() and any(folder.iterdir()):  # the photos themselves, most likely: never shard into them
+            out = f"{str(folder).rstrip('/')}-shards"
+            raise ManifestError(f"{folder} holds no dataset.json: if it holds your photos, convert them into a new "
+                                f"folder first, `fastpipe shard {folder} {out}`, and use {out}; for shards written by "
+                                f"another tool: `fastpipe index SHARDS...`")
+        raise ManifestError(f"{path} not found: run `fastpipe shard SRC {folder}` first, "
                             f"or `fastpipe index SHARDS...` for shards written by another tool")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ManifestError(f"{path} is damaged ({type(e).__name__}: {e}); re-run the conversion") from e
     return from_dict(data, path.parent)
-
-
-def _load_remote(url: str, storage_options, cache_dir, cache_limit) -> Manifest:
-    from dataclasses import replace
-
-    from fastpipe.cache import default_cache_dir
-    from fastpipe.options import parse_size
-    from fastpipe.storage import Remote
-
-    url = url.rstrip("/")
-    url = url[: -len(MANIFEST_NAME) - 1] if url.endswith("/" + MANIFEST_NAME) else url
-    limit = parse_size(cache_limit, bare="GB") if cache_limit not in (None, "", 0) else None
-    remote = Remote(url, storage_options, cache_dir=Path(cache_dir) if cache_dir else default_cache_dir(),
-                    cache_limit=limit)
-    data = remote.cat(MANIFEST_NAME)  # a missing one: RemoteError naming the URL
-    try:
-        d = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ManifestError(f"{url}/{MANIFEST_NAME} is damaged ({type(e).__name__}: {e}); re-run the conversion"
-                            ) from e
-    return replace(from_dict(d, remote.cache_dir), remote=remote)

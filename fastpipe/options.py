@@ -5,25 +5,35 @@
 `fastpipe.cli` builds every subcommand's flags from these fields (flag = --field-name, kebab-case), so a
 default or a help text exists in exactly one place. Parsers for values people type (sizes, worker counts) live
 here too, and refuse what they cannot read with the fix.
+
+Every numeric setting also carries its range (`low`/`high` inclusive, `above`/`below` exclusive). `check(cfg)`,
+called by each config's `__post_init__`, checks every field once where the config is built, for the CLI and the
+Python API alike: the type, NaN and infinity, and the range, with the value and what is allowed in the message.
 """
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import field
+import types
+import typing
+from dataclasses import field, fields
 
 from fastpipe.errors import ConfigError
 
+MAX_IMAGE_SIZE = 4096  # pixels: the largest training/bench image size (a batch of them is already gigabytes)
+SEED_MAX = 2**32 - 1  # what every seeded generator (numpy, torch, Python) takes
 _UNITS = {"K": 1024, "KB": 1024, "M": 1024**2, "MB": 1024**2, "G": 1024**3, "GB": 1024**3, "T": 1024**4,
           "TB": 1024**4, "B": 1}
 
 
 def opt(default, help: str, *, flag: str | None = None, parse=None, choices=None, positional: bool = False,
-        nargs=None, cli: bool = True, sweep: bool = False):
+        nargs=None, cli: bool = True, sweep: bool = False, low=None, high=None, above=None, below=None):
     """A dataclass field with its command-line description. `cli=False` keeps a setting out of the CLI;
-    `sweep=True` lets the CLI take comma-separated values (fastpipe bench runs each)."""
+    `sweep=True` lets the CLI take comma-separated values (fastpipe bench runs each). `low`/`high` (inclusive) and
+    `above`/`below` (exclusive) bound a number; `check` enforces them with the type."""
     meta = {"help": help, "flag": flag, "parse": parse, "choices": choices, "positional": positional,
-            "nargs": nargs, "cli": cli, "sweep": sweep}
+            "nargs": nargs, "cli": cli, "sweep": sweep, "range": (low, high, above, below)}
     if isinstance(default, (list, dict, set)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -76,9 +86,99 @@ def parse_procs(text):
     return n
 
 
+def amp_for(amp: str | None, cuda: bool) -> str:
+    """The mixed precision a device gets: fp16 by default on CUDA, off on a CPU. fp16 asked for on a CPU is off,
+    said once: PyTorch has no fast fp16 kernels there (about 20x slower than fp32)."""
+    if amp == "fp16" and not cuda:
+        import warnings
+
+        from fastpipe.errors import FastpipeWarning
+
+        warnings.warn("--amp fp16 on a CPU is about 20x slower than fp32 (no fp16 kernels there): running with --amp "
+                      "off; --amp bf16 helps only on CPUs with bf16 instructions (AVX-512 BF16, AMX)", FastpipeWarning,
+                      stacklevel=3)
+        return "off"
+    return amp or ("fp16" if cuda else "off")
+
+
 def parse_onoff(text):
     if isinstance(text, bool) or text is None:
         return text
     if text not in ("on", "off", "auto"):
         raise ConfigError(f"{text!r}: use on, off or auto")
     return {"on": True, "off": False, "auto": None}[text]
+
+
+# -- checking a config once, where it is built ------------------------------------------------------------
+def flag_name(name: str, meta=None) -> str:
+    """How a user names a setting: its flag (the Python API takes the same name with underscores)."""
+    return (meta or {}).get("flag") or f"--{name.replace('_', '-')}"
+
+
+def _num(x) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def describe_range(low=None, high=None, above=None, below=None) -> str:
+    lo = f">= {_num(low)}" if low is not None else f"> {_num(above)}" if above is not None else None
+    hi = f"<= {_num(high)}" if high is not None else f"< {_num(below)}" if below is not None else None
+    if low is not None and high is not None:
+        return f"within {_num(low)}..{_num(high)}"
+    return " and ".join(x for x in (lo, hi) if x) or "a number"
+
+
+def check_number(name: str, value, kind: type = float, low=None, high=None, above=None, below=None):
+    """`value` if it is a number of `kind` within the range, else a ConfigError naming the setting, the value and
+    what is allowed. NaN and infinity are never allowed; an int setting takes only integers."""
+    allowed = describe_range(low, high, above, below)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int and not (number and isinstance(value, int)):
+        raise ConfigError(f"{name} {value!r}: must be an integer {allowed}")
+    if not number or not math.isfinite(value):
+        raise ConfigError(f"{name} {value!r}: must be a finite number {allowed}")
+    if ((low is not None and value < low) or (high is not None and value > high)
+            or (above is not None and value <= above) or (below is not None and value >= below)):
+        raise ConfigError(f"{name} {value!r}: must be {allowed}")
+    return value
+
+
+def _plain(hint) -> tuple[tuple, bool]:
+    """(the plain types a hint allows, whether None is allowed)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        return tuple(a for a in args if a is not type(None)), type(None) in args
+    return (hint,), False
+
+
+def _check_one(name: str, value, hint, meta) -> None:
+    kinds, optional = _plain(hint)
+    if value is None:
+        if not optional and not meta.get("positional"):
+            raise ConfigError(f"{name}: a value is needed")
+        return
+    rng = meta.get("range") or (None,) * 4
+    if meta.get("choices") and value not in meta["choices"]:
+        raise ConfigError(f"{name} {value!r}: use one of {', '.join(map(str, meta['choices']))}")
+    if bool in kinds and isinstance(value, bool):
+        return
+    if float in kinds and isinstance(value, (int, float)) and not isinstance(value, bool):
+        check_number(name, value, float, *rng)
+    elif int in kinds and ((isinstance(value, int) and not isinstance(value, bool)) or str not in kinds):
+        check_number(name, value, int, *rng)
+    elif str in kinds and isinstance(value, str):
+        return
+    elif len(kinds) == 1 and kinds[0] in (int, float, bool, str):
+        wanted = {int: "an integer", float: "a number", bool: "true or false", str: "text"}[kinds[0]]
+        raise ConfigError(f"{name} {value!r}: must be {wanted}")
+
+
+def check(cfg) -> None:
+    """Every setting of a config dataclass against its type and range (opt's `low`/`high`/`above`/`below`); the
+    values of a swept setting each. Raises ConfigError naming the first that is not allowed."""
+    hints = typing.get_type_hints(type(cfg))
+    for f in fields(cfg):
+        if not f.metadata:
+            continue
+        value, name = getattr(cfg, f.name), flag_name(f.name, f.metadata)
+        for v in (value if f.metadata.get("sweep") and isinstance(value, list) else [value]):
+            _check_one(name, v, hints[f.name], f.metadata)

@@ -22,10 +22,11 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 from fastpipe.errors import ConfigError, DataError
-from fastpipe.stores import open_fs, store_environment
+from fastpipe.stores import brief, cat_bounded, open_fs, refused, store_environment, transient
+from fastpipe.urls import check_relative, check_url, redact
 from fastpipe.util import URL_RE
 
-RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}  # 409 is S3's "operation aborted, try again"
+SMALL_OBJECT = 64 << 20  # bytes: the most a whole-object read (dataset.json, a .idx, rejected.jsonl) may return
 
 
 # The filesystem clients made in this process, by id: fsspec clients of one URL compare equal, so a WeakSet
@@ -37,9 +38,9 @@ _INHERITED: list = []  # a forked child's copies of its parent's clients: kept, 
 def _after_fork_in_child() -> None:
     """The parent's clients are the parent's. Freed in a child, fsspec's finalizer closes a client's session on
     the parent's event loop, which does not run here: it waited for a timeout (seconds at each worker's start,
-    seen here), then closed the connections itself, and so took their sockets out of the epoll set that parent and
-    child share: the parent's next requests on them waited for the full read timeout. So a child keeps them alive
-    and their finalizers detached."""
+    with fsspec's HTTP client), then closed the connections itself, and so took their sockets out of the epoll set
+    that parent and child share: the parent's next requests on them waited for the full read timeout. So a child
+    keeps them alive and their finalizers detached."""
     inherited = list(_MADE.values())
     if not inherited:  # a process that never read a store (local data): nothing to look through
         return
@@ -95,43 +96,6 @@ class Counters:
         return out
 
 
-def transient(e: BaseException) -> bool:
-    """Worth another try: a 5xx or throttling status, a reset or refused connection, a timeout. Not: a missing
-    object, a refused credential, a bad request."""
-    status = _status(e)
-    if status is not None:
-        return status in RETRY_STATUS
-    if refused(e) or isinstance(e, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
-        return False
-    if isinstance(e, (TimeoutError, asyncio.TimeoutError, ConnectionError, OSError)):
-        return True
-    return type(e).__module__.split(".")[0] in ("aiohttp", "botocore", "urllib3", "requests", "google", "azure")
-
-
-def refused(e: BaseException) -> bool:
-    """The store said no to these credentials: retrying will not change its mind."""
-    if isinstance(e, PermissionError) or _status(e) in (401, 403):
-        return True
-    return type(e) is OSError and str(e).startswith("Forbidden")  # gcsfs's 403 is a plain OSError
-
-
-def _brief(e: BaseException) -> str:
-    """The first line of a store's error (the Azure SDK's go on with request ids and headers)."""
-    return (str(e).strip().splitlines() or [""])[0][:200]
-
-
-def _status(e: BaseException) -> int | None:
-    status = getattr(e, "status", None)  # aiohttp
-    if status is None:
-        status = getattr(e, "status_code", None)  # the Azure SDK (HttpResponseError)
-    if status is None and type(e).__module__.startswith("gcsfs"):
-        status = getattr(e, "code", None)  # gcsfs.retry.HttpError
-    response = getattr(e, "response", None)  # botocore
-    if status is None and isinstance(response, dict):
-        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return status if isinstance(status, int) else None
-
-
 class Remote:
     """A data set's folder in a store: `url` plus the options to reach it; one filesystem client per process."""
 
@@ -139,12 +103,15 @@ class Remote:
                  attempts: int | None = None, base_delay: float = 0.25, inflight: int = 16, cache_dir=None,
                  cache_limit: int | None = None):
         if not is_url(url):
-            raise ConfigError(f"{url!r} is not a URL (expected e.g. s3://bucket/prefix)")
-        self.url, self.options = url.rstrip("/"), dict(storage_options or {})
+            raise ConfigError(f"{redact(url)!r} is not a URL (expected e.g. s3://bucket/prefix)")
+        self.url, self.options = check_url(url, "data set").rstrip("/"), dict(storage_options or {})
         # A request that sends nothing for `timeout` s is retried; `attempts` in all, then an error
         # ($FASTPIPE_REMOTE_TIMEOUT, $FASTPIPE_REMOTE_ATTEMPTS)
         self.timeout = timeout or float(os.environ.get("FASTPIPE_REMOTE_TIMEOUT", 60))
         self.attempts = attempts or int(os.environ.get("FASTPIPE_REMOTE_ATTEMPTS", 6))
+        # ... and every request has a total deadline: `timeout` plus its size at this floor rate (bytes/s), so that
+        # a server that trickles a byte at a time (each resetting the read timeout) still fails in bounded time
+        self.min_rate = float(os.environ.get("FASTPIPE_REMOTE_MIN_RATE", 1 << 20))
         self.base_delay, self.inflight = base_delay, inflight
         self.cache_dir, self.cache_limit = cache_dir, cache_limit  # where this node keeps its shards (cache.py)
         self.counters = Counters()
@@ -175,7 +142,8 @@ class Remote:
         return self._local[1:]
 
     def join(self, rel: str) -> str:
-        return f"{self.url}/{rel}"
+        """The URL of a file of this data set (`rel` as urls.check_relative allows: it cannot leave the folder)."""
+        return f"{self.url}/{check_relative(rel, 'a path in ' + self.url)}"
 
     def cat(self, rel: str) -> bytes:
         """A whole (small) object."""
@@ -198,17 +166,19 @@ class Remote:
     def _read(self, parts: list[tuple[str, int | None, int | None]], inflight: int | None = None) -> list[bytes]:
         """(rel, start, end) each, None for a whole object; each retried. An async client (s3fs, gcsfs, adlfs,
         http) gets them all in one call on its event loop, `inflight` at a time: a thread per request handing each
-        to that loop cost 1.8x the CPU (0.33 s against 0.19 s per 100 MB over loopback: benchmarks/bench_io.py),
-        and that comes out of decoding on a busy machine."""
+        to that loop cost 1.5x the CPU (0.36 s against 0.25 s per 100 MB over loopback: benchmarks/bench_io.py,
+        docs/results/io.json), and that comes out of decoding on a busy machine."""
         fs, root, pool = self._client()
+        for rel, _, _ in parts:
+            self.join(rel)  # the path policy (urls.check_relative), before any request
         if not getattr(fs, "async_impl", False):
-            return list(pool.map(lambda p: self._retry(
-                lambda: fs.cat_file(f"{root}/{p[0]}", start=p[1], end=p[2]), self.join(p[0]), p[1:]), parts))
+            return list(pool.map(lambda p: self._sized(self._retry(
+                lambda: fs.cat_file(f"{root}/{p[0]}", start=p[1], end=p[2]), self.join(p[0]), p[1:]), p), parts))
         out: list = [None] * len(parts)
         todo = list(range(len(parts)))
         for attempt in range(1, self.attempts + 1):
-            got = fs.cat_ranges([f"{root}/{parts[k][0]}" for k in todo], [parts[k][1] for k in todo],
-                                [parts[k][2] for k in todo], batch_size=inflight or self.inflight, on_error="return")
+            got = self._bounded(fs, [(f"{root}/{parts[k][0]}", parts[k][1], parts[k][2]) for k in todo],
+                                inflight or self.inflight)
             failed = []
             for k, data in zip(todo, got):
                 if isinstance(data, BaseException):
@@ -223,6 +193,37 @@ class Remote:
             todo = failed
         raise AssertionError("unreachable")
 
+    def _bounded(self, fs, requests: list[tuple[str, int | None, int | None]], inflight: int) -> list:
+        """The requests on the client's event loop, `inflight` at a time, each within its deadline and size limit;
+        an exception in place of each that failed."""
+        import fsspec.asyn
+
+        async def all_of_them():
+            gate = asyncio.Semaphore(inflight)
+
+            async def one(path, start, end):
+                size = SMALL_OBJECT if start is None else end - start
+                deadline = self.timeout + size / self.min_rate
+                async with gate:
+                    try:
+                        return await asyncio.wait_for(cat_bounded(fs, path, start, end, size), deadline)
+                    except asyncio.TimeoutError:
+                        return TimeoutError(f"no complete answer within {deadline:.0f} s ({size} bytes at the floor "
+                                            f"rate of {self.min_rate / 2**20:g} MiB/s, $FASTPIPE_REMOTE_MIN_RATE)")
+                    except Exception as e:
+                        return e
+
+            return await asyncio.gather(*(one(*r) for r in requests))
+
+        return fsspec.asyn.sync(fs.loop, all_of_them)
+
+    def _sized(self, data: bytes, part: tuple[str, int | None, int | None]) -> bytes:
+        """A client without an event loop (no deadline to set) is held to the size limit after the read."""
+        if part[1] is None and len(data) > SMALL_OBJECT:
+            raise RemoteError(f"{self.join(part[0])}: {len(data)} bytes, over the limit of {SMALL_OBJECT} for a "
+                              f"dataset.json or index: not a file of a fastpipe data set")
+        return data
+
     def _checked(self, part: tuple[str, int, int], data: bytes) -> bytes:
         rel, start, end = part
         if len(data) != end - start:
@@ -233,21 +234,32 @@ class Remote:
     def glob(self, pattern: str) -> list[str]:
         """Names of the objects in this folder that match `pattern` (a store that can list: not plain HTTP)."""
         fs, root, _ = self._client()
-        found = self._retry(lambda: fs.glob(f"{root}/{pattern}"), self.join(pattern))
+        found = self._retry(lambda: self._call(fs, "glob", f"{root}/{pattern}"), self.join(pattern))
         return sorted(p.rsplit("/", 1)[-1] for p in found)
 
     def delete(self, rel: str) -> None:
         """Remove an object; one already gone is fine."""
         fs, root, _ = self._client()
         try:
-            self._retry(lambda: fs.rm_file(f"{root}/{rel}"), self.join(rel))
+            self._retry(lambda: self._call(fs, "rm_file", f"{root}/{rel}"), self.join(rel))
         except RemoteError as e:
             if not isinstance(e.__cause__, FileNotFoundError):
                 raise
 
+    def check_writable(self) -> None:
+        """Write and remove a small object, before work that ends in uploads: a missing bucket, missing or refused
+        credentials fail here, at once, not after a whole conversion."""
+        fs, root, _ = self._client()
+        probe = ".fastpipe-write-check"
+        try:
+            self._retry(lambda: self._call(fs, "pipe_file", f"{root}/{probe}", b"fastpipe"), self.join(probe))
+            self.delete(probe)
+        except RemoteError as e:
+            raise RemoteError(f"cannot write to {self.url} (nothing was converted yet): {e}") from e.__cause__
+
     def exists(self, rel: str) -> bool:
         fs, root, _ = self._client()
-        return bool(self._retry(lambda: fs.exists(f"{root}/{rel}"), self.join(rel)))
+        return bool(self._retry(lambda: self._call(fs, "exists", f"{root}/{rel}"), self.join(rel)))
 
     def get_many(self, files: list[tuple[str, os.PathLike]]) -> None:
         """Download whole objects to local files (relative name, local path), several at a time, each retried."""
@@ -255,7 +267,9 @@ class Remote:
 
         def one(item):
             rel, local = item
-            self._retry(lambda: fs.get_file(f"{root}/{rel}", str(local)), self.join(rel))
+            path = f"{root}/{rel}"
+            size = self._retry(lambda: self._call(fs, "size", path), self.join(rel)) or 0
+            self._retry(lambda: self._call(fs, "get_file", path, str(local), size=size), self.join(rel))
             self.counters.add(1, os.path.getsize(local))
 
         list(pool.map(one, files))
@@ -266,10 +280,22 @@ class Remote:
 
         def one(item):
             local, rel = item
-            self._retry(lambda: fs.put_file(str(local), f"{root}/{rel}"), self.join(rel))
-            self.counters.add(1, os.path.getsize(local))
+            size = os.path.getsize(local)
+            self._retry(lambda: self._call(fs, "put_file", str(local), f"{root}/{rel}", size=size), self.join(rel))
+            self.counters.add(1, size)
 
         list(pool.map(one, files))
+
+    def _call(self, fs, method: str, *args, size: int = 0):
+        """fs.method(*args) within its deadline, `timeout` plus `size` bytes at the floor rate: an async client's
+        call is cancelled when it passes it (fsspec's sync(timeout=)); a client without an event loop has its
+        connect and read timeouts only."""
+        coroutine = getattr(fs, f"_{method}", None) if getattr(fs, "async_impl", False) else None
+        if coroutine is None:
+            return getattr(fs, method)(*args)
+        import fsspec.asyn
+
+        return fsspec.asyn.sync(fs.loop, coroutine, *args, timeout=self.timeout + size / self.min_rate)
 
     def _retry(self, call, url: str, span: tuple[int, int] | None = None):
         for attempt in range(1, self.attempts + 1):
@@ -289,11 +315,11 @@ class Remote:
         if isinstance(e, FileNotFoundError):
             raise RemoteError(f"{url} not found: check the URL, or that the upload finished") from e
         if refused(e):
-            raise RemoteError(f"{url}: access refused ({_brief(e)}); check the credentials (storage_options or the "
+            raise RemoteError(f"{url}: access refused ({brief(e)}); check the credentials (storage_options or the "
                               f"AWS_/GOOGLE_/AZURE_ environment)") from e
         if not transient(e) or attempt == self.attempts:
             kind = f"still failing after {attempt} attempts" if transient(e) else "failed"
-            raise RemoteError(f"reading {where} {kind}: {type(e).__name__}: {_brief(e)}") from e
+            raise RemoteError(f"reading {where} {kind}: {type(e).__name__}: {brief(e)}") from e
 
     def _backoff(self, attempt: int) -> None:
         # full jitter: many workers retrying a throttled store must not retry in step

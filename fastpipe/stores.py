@@ -6,16 +6,21 @@ botocore and s3fs count attempts; gcsfs makes 6, sleeping about 1, 2, 4, 8 and 1
 fixed when its class is defined; the Azure SDK retries 3 times after about 15, 18 and 24 s. Stacked under ours
 they multiply the attempts and hide them, so each is switched off here, where the client is made; and each gets
 the same connect and read timeout, so that a read that stalls fails in `timeout` seconds on every store.
+
+Also here, as each client reports them: which errors are worth another try (`transient`), which mean the
+credentials were refused or missing (`refused`), and a read held to a size limit whatever the server sends
+(`cat_bounded`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import importlib.util
 import os
 import types
 
-from fastpipe.errors import ConfigError, MissingDependency
+from fastpipe.errors import ConfigError, DataError, MissingDependency
 
 PROTOCOL_EXTRAS = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs", "abfss": "adlfs",
                    "http": "aiohttp", "https": "aiohttp"}
@@ -120,6 +125,102 @@ def _az_retries_off(fs) -> None:
             setattr(policy, name, 0)
 
 
+RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}  # 409 is S3's "operation aborted, try again"
+
+
+def transient(e: BaseException) -> bool:
+    """Worth another try: a 5xx or throttling status, a reset or refused connection, a timeout. Not: a missing
+    object, a refused credential, a bad request."""
+    status = _status(e)
+    if status is not None:
+        return status in RETRY_STATUS
+    if refused(e) or isinstance(e, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
+        return False
+    if isinstance(e, (TimeoutError, asyncio.TimeoutError, ConnectionError, OSError)):
+        return True
+    return type(e).__module__.split(".")[0] in ("aiohttp", "botocore", "urllib3", "requests", "google", "azure")
+
+
+def refused(e: BaseException) -> bool:
+    """The store said no to these credentials, or there are none: retrying will not change that."""
+    if isinstance(e, PermissionError) or _status(e) in (401, 403):
+        return True
+    if "Credential" in type(e).__name__ or "Authentication" in type(e).__name__:  # botocore, google-auth, Azure
+        return True
+    return type(e) is OSError and str(e).startswith("Forbidden")  # gcsfs's 403 is a plain OSError
+
+
+def brief(e: BaseException) -> str:
+    """The first line of a store's error (the Azure SDK's go on with request ids and headers)."""
+    return (str(e).strip().splitlines() or [""])[0][:200]
+
+
+def _status(e: BaseException) -> int | None:
+    status = getattr(e, "status", None)  # aiohttp
+    if status is None:
+        status = getattr(e, "status_code", None)  # the Azure SDK (HttpResponseError)
+    if status is None and type(e).__module__.startswith("gcsfs"):
+        status = getattr(e, "code", None)  # gcsfs.retry.HttpError
+    response = getattr(e, "response", None)  # botocore
+    if status is None and isinstance(response, dict):
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return status if isinstance(status, int) else None
+
+
+class ObjectTooLarge(DataError):
+    """A store answered with more bytes than were asked for, or than a small object may have."""
+
+
+async def cat_bounded(fs, path: str, start: int | None, end: int | None, limit: int) -> bytes:
+    """Bytes [start, end) of `path`, or (start None) the whole object, never more than `limit` bytes: a whole object
+    is asked for as the range [0, limit], and a store that sends more (an HTTP server ignoring Range, an endless
+    body) is cut off as soon as it does, not read into memory."""
+    if getattr(fs, "protocol", None) in (("http", "https"), "http", "https") or type(fs).__name__ == "HTTPFileSystem":
+        return await _http_cat(fs, path, start, end, limit)
+    try:
+        data = await fs._cat_file(path, start=0 if start is None else start, end=limit + 1 if end is None else end)
+    except Exception as e:
+        if start is None and _unsatisfiable(e):  # the range [0, limit] of an empty object
+            return b""
+        raise
+    if len(data) > limit:
+        raise ObjectTooLarge(f"{len(data)} bytes or more, over the limit of {limit}")
+    return data
+
+
+def _unsatisfiable(e: BaseException | None) -> bool:
+    """HTTP 416, as each store's client reports it (s3fs turns botocore's into an OSError, the cause kept)."""
+    while e is not None:
+        response = getattr(e, "response", None)
+        codes = (getattr(e, "status", None), getattr(e, "status_code", None), getattr(e, "code", None),
+                 response.get("ResponseMetadata", {}).get("HTTPStatusCode") if isinstance(response, dict) else None)
+        if 416 in codes or "InvalidRange" in str(e) or "range is not satisfiable" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+async def _http_cat(fs, url: str, start: int | None, end: int | None, limit: int) -> bytes:
+    """fsspec's HTTP read, with the size checked before the body is read (Content-Length) and while it is."""
+    kw = dict(fs.kwargs)
+    headers = dict(kw.pop("headers", None) or {})
+    if start is not None:
+        headers["Range"] = f"bytes={start}-{end - 1}"
+    session = await fs.set_session()
+    async with session.get(fs.encode_url(url), headers=headers, **kw) as r:
+        fs._raise_not_found_for_status(r, url)
+        if r.content_length is not None and r.content_length > limit:
+            raise ObjectTooLarge(f"the server announces {r.content_length} bytes, over the limit of {limit}"
+                                 + (" (it ignores Range requests)" if start is not None else ""))
+        chunks, got = [], 0
+        async for chunk in r.content.iter_any():
+            got += len(chunk)
+            if got > limit:
+                raise ObjectTooLarge(f"the server sends more than the limit of {limit} bytes")
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
 _OPTIONS = {"http": _http_options, "s3": _s3_options, "gs": _gs_options, "az": _az_options}
 _RETRIES_OFF = {"s3": _s3_retries_off, "gs": _gs_retries_off, "az": _az_retries_off}
 
@@ -130,4 +231,5 @@ def installed_protocols() -> dict[str, bool]:
             for p, m in (("s3", "s3fs"), ("gs", "gcsfs"), ("az", "adlfs"), ("http", "aiohttp"))}
 
 
-__all__ = ["PROTOCOL_EXTRAS", "installed_protocols", "open_fs", "store_environment"]
+__all__ = ["PROTOCOL_EXTRAS", "ObjectTooLarge", "brief", "cat_bounded", "installed_protocols", "open_fs", "refused",
+           "store_environment", "transient"]

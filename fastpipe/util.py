@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from fastpipe.errors import BusyError, ConfigError, DataError
+from fastpipe.urls import redact
 
 URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
@@ -28,9 +29,9 @@ def local_path(text: str | os.PathLike, what: str) -> Path:
     of becoming a local folder named 's3:'."""
     s = os.fspath(text)
     if URL_RE.match(s) or s.startswith("pipe:"):
-        raise ConfigError(f"{what} {s!r} is a URL: here a local folder is needed (a data set in object storage is "
-                          f"read by train, bench and make_loader, and written by `shard SRC URL`); copy the data to a "
-                          f"local disk (e.g. `aws s3 sync`, `gsutil -m rsync`) and pass that folder")
+        raise ConfigError(f"{what} {redact(s)!r} is a URL: here a local folder is needed (a data set in object storage "
+                          f"is read by train, bench and make_loader, and written by `shard SRC URL`); copy the data "
+                          f"to a local disk (e.g. `aws s3 sync`, `gsutil -m rsync`) and pass that folder")
     return Path(s)
 
 

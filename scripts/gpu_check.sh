@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# GPU checks in one go (about 8 minutes on one GPU): the gpu-marked tests, then `fastpipe bench` on demo data for
-# resnet18 and resnet50 with the torch, nvjpeg and DALI backends, the loader benchmark, the cost of each device
+# GPU checks in one go, within GPU_CHECK_SECONDS (default 540 s; each step gets at most what is left): the
+# gpu-marked tests, then `fastpipe bench` on demo data for resnet18 and resnet50 with the torch, nvjpeg and DALI
+# backends, the loader benchmark, reading from a store with 2 workers (cores to spare), the cost of each device
 # augmentation against a ResNet-50 fp16 step at batch 256 (target: under 5 %), `fastpipe memory`'s predictions
 # against measured peaks, and a memory report.
 #   scripts/gpu_check.sh OUTDIR
 # Writes into OUTDIR: log.txt (everything, with a summary at the end), bench-resnet18.{json,png},
-# bench-resnet50.{json,png}, loaders.{json,png}, augment.{json,png}, memory-vs-measured.{json,png}, memory.json, and
-# all of them in results.tgz (the device tool brings back 8 files at most: take that one). Works with the machine's
+# bench-resnet50.{json,png}, loaders.{json,png}, remote-2workers.{json,png}, augment.{json,png}, memory-vs-measured.{json,png}, memory.json, and
+# all of them packed in results.tgz (one file to copy off the machine). Works with the machine's
 # own python3 and PYTHONPATH=. (no .venv needed); wheels in .whl/ (scripts/gpu_wheels.sh) are installed first when present.
 # What is missing (DALI, webdataset, pytest) is skipped with the reason in the log, never silently.
 set -uo pipefail
@@ -29,7 +30,7 @@ note() { echo "$*" | tee -a "$LOG"; SUMMARY+=("$*"); }
 mark() { wc -l < "$LOG"; }  # a step's summary greps only the lines the step wrote
 since() { tail -n +$(( $1 + 1 )) "$LOG" | grep -E "$2" | tail -1; }
 has() { $PY -c "import $1" 2>/dev/null; }
-# The whole script stays within GPU_CHECK_SECONDS (default 540: under the device tool's 10-minute call limit):
+# The whole script stays within GPU_CHECK_SECONDS (default 540 s):
 # each step gets at most what is left, and a step with under 15 s left is skipped, saying so.
 DEADLINE=$(( $(date +%s) + ${GPU_CHECK_SECONDS:-540} ))
 run() {
@@ -65,7 +66,7 @@ note "shards: $($PY -c "from fastpipe.manifest import load; m=load('$DATA/shards
 for model in resnet18 resnet50; do
   m=$(mark); run 150 $PY -m fastpipe bench "$DATA/shards" --model "$model" --backend torch,nvjpeg,dali \
     --batch-size 128 --steps 15 --json "$OUT/bench-$model.json" --plot "$OUT/bench-$model.png"
-  note "bench $model: exit $? $(since "$m" '^(loader-bound|device-bound|balanced)')"
+  note "bench $model: exit $? $(since "$m" '(loader-bound|device-bound|balanced|disturbed|not measured):')"
 done
 
 # 4. loaders alone (GPU rows included) and the memory report
@@ -73,6 +74,11 @@ ONLY=""; has webdataset || ONLY="--only fastpipe"
 run 120 $PY benchmarks/bench_loaders.py --shards "$DATA/shards" --workers 8 --window-images 4096 $ONLY \
   --json "$OUT/loaders.json" --plot "$OUT/loaders.png"
 note "loader benchmark: exit $?"
+# reading from a store over loopback HTTP at 20 ms a request, 2 workers, with cores to spare for the reading path
+# (target: 0.9 of the local disk's rate or more)
+run 150 $PY benchmarks/bench_remote.py --shards "$DATA/shards" --workers 2 --latency 20 --rounds 2 \
+  --json "$OUT/remote-2workers.json" --plot "$OUT/remote-2workers.png"
+note "remote reading, 2 workers at 20 ms: exit $? $($PY -c "import json; r=json.load(open('$OUT/remote-2workers.json')); print('; '.join(f\"{x['source']} {x['img_per_s_vs_local']:.2f} of local (steady {x['steady_img_per_s_vs_local']:.2f})\" for x in r['rows']))" 2>&1 | head -c 300)"
 run 120 $PY benchmarks/bench_augment.py --json "$OUT/augment.json" --plot "$OUT/augment.png"
 note "augmentation cost: exit $? $($PY -c "import json; r=json.load(open('$OUT/augment.json')); print('; '.join(f\"{x['augment']} {x['share_of_step']:.1%}\" for x in r['rows'][1:]))" 2>&1)"
 m=$(mark); run 150 $PY benchmarks/bench_memory.py --models resnet18,resnet50,convnext_tiny,vit_b_16 --amp fp16,off \

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Fetch, here (with network), the small wheels the GPU test machine lacks into .whl/ (git-ignored), for
-# scripts/gpu_check.sh to install there. DALI (~200 MB) is too large to carry; its checks are skipped there.
+# On a machine with network access: fetch the small wheels that an offline GPU machine may lack (webdataset,
+# braceexpand, simplejpeg) into .whl/ (git-ignored), for scripts/gpu_check.sh to install there. DALI is not fetched
+# (it is large); where it is missing, gpu_check.sh skips its checks and says so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

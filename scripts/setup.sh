@@ -17,7 +17,7 @@ done
 pip() { .venv/bin/python -m pip "$@"; }
 pip install -q --upgrade pip
 
-# torch 2.14.1 / torchvision 0.29.1 lie on this project's machines' disk; elsewhere pip fetches a build.
+# torch 2.14.1 / torchvision 0.29.1 are pinned when pip can get them; otherwise pip fetches the newest build.
 if ! .venv/bin/python -c "import torch, torchvision" 2>/dev/null; then
   pip install -q "torch==2.14.1" "torchvision==0.29.1" || pip install -q torch torchvision
 fi

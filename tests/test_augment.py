@@ -124,6 +124,19 @@ def test_unknown_or_malformed_specs_are_refused_with_the_valid_list():
         parse("erase:1.5")
 
 
+@pytest.mark.parametrize("spec,says", [
+    ("jitter:nan:0:0", "brightness nan: must be a finite number"), ("jitter:inf:0:0", "brightness inf"),
+    ("jitter:0.4:0.4:0.4:0.9", r"hue 0\.9: must be within 0\.\.0\.5"), ("mixup:nan", "A nan"),
+    ("mixup:inf", "A inf"), ("erase:nan", "P nan"), ("cutmix:1.0:nan", "P nan"),
+    ("randaug:1000000:30", r"N 1000000: must be within 1\.\.16"), ("randaug:2:9.5", "M '9.5' is not an integer"),
+    ("randaug:2:31", r"M 31: must be within 0\.\.30"), ("mixup:-0.2", "A -0.2"), ("jitter:0.4", "use jitter:B:C:S"),
+])
+def test_every_augmentation_number_is_checked(spec, says):
+    """NaN trained every step on NaN; randaug with a million ops never finished a batch: refused when parsed."""
+    with pytest.raises(ConfigError, match=says):
+        parse(spec)
+
+
 def test_the_loader_augments_train_batches_only(converted):
     kw = dict(batch_size=8, image_size=48, device="cpu", num_workers=0, seed=2)
     plain = make_loader(converted, "torch", **kw)

@@ -19,7 +19,7 @@ from conftest import COLORS, make_folder, photo
 
 from fastpipe.convert.driver import ConvertError, ShardConfig, shard
 from fastpipe.convert.inspect import inspect
-from fastpipe.errors import ConfigError
+from fastpipe.errors import ConfigError, DataError
 from fastpipe.manifest import load
 from fastpipe.shardformat import read_index
 
@@ -294,6 +294,26 @@ def test_the_worker_pool_gives_results_in_order_and_says_when_a_worker_dies(meth
         pool.terminate()
 
 
+def test_a_pool_already_broken_when_a_task_is_queued_says_a_worker_died():
+    """A worker may die between two tasks: then queueing the next one fails (it raised BrokenProcessPool, a
+    traceback, instead of naming the files in flight)."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    from fastpipe.convert.workers import WorkerDied, Workers
+
+    pool = Workers(1, int, ())
+    try:
+        held = pool.executor.submit(time.sleep, 60)  # occupies the worker until it is killed
+        child = next(iter(pool.executor._processes.values()))
+        os.kill(child.pid, signal.SIGKILL)
+        with pytest.raises(BrokenProcessPool):
+            held.result(timeout=60)  # the pool knows it is broken: the next submit fails
+        with pytest.raises(WorkerDied, match=r"while converting one of: a\.jpg"):
+            list(pool.imap(len, ["a.jpg", "b.jpg"]))
+    finally:
+        pool.terminate()
+
+
 def _faults_per_photo(paths: list[str]) -> float:
     """In a worker: page faults per photo converted, after a first one that grows the heap."""
     import resource
@@ -356,7 +376,10 @@ def test_ctrl_c_while_a_shard_closes_leaves_a_folder_the_rerun_resumes(tmp_path,
     def replace(a, b):  # the first shard's rename: Ctrl-C arrives just before it
         if str(a).endswith(".tar.tmp") and not sent:
             sent.append(a)
-            os.kill(os.getpid(), signal.SIGINT)
+            # to this thread: os.kill would send it to the process, which the kernel may hand to any other thread
+            # (a library's), whose handler runs whenever that thread is next scheduled: on a busy machine, after
+            # the shard closed
+            signal.raise_signal(signal.SIGINT)
         return real(a, b)
 
     monkeypatch.setattr(os, "replace", replace)
@@ -568,6 +591,8 @@ def test_doctor_runs_and_reports(capsys):
     assert run_doctor() == 0  # nothing on a CPU-only machine is broken
     out = capsys.readouterr().out
     assert "torch build" in out and "Pillow" in out and "CPU cores" in out
+    if "nvidia-smi not found" in out:  # a machine without a GPU is told one thing, not 'install the driver' too
+        assert "install the driver" not in out and "no GPU on this machine" in out
 
 
 def test_missing_or_damaged_manifest_says_what_to_run(tmp_path):
@@ -590,6 +615,30 @@ def test_index_refuses_text_labels_with_the_fix(tmp_path):
         sink.write({"__key__": "a", "jpg": photo(COLORS["red"]), "cls": b"red"})
     with pytest.raises(ValueError, match="not an integer class index"):
         index_shards(IndexConfig([tmp_path / "t.tar"]))
+
+
+def test_the_summary_counts_what_was_written_and_what_changed_colour(tmp_path):
+    """'94 images converted' when 92 were written; grey and transparent photos converted to RGB without a word."""
+    src = make_folder(tmp_path / "src", {"red": 4, "green": 4})
+    (src / "red" / "grey.png").write_bytes(photo(COLORS["red"], fmt="PNG", mode="L"))
+    (src / "red" / "alpha.png").write_bytes(photo(COLORS["red"], fmt="PNG", mode="RGBA"))
+    (src / "green" / "cut.jpg").write_bytes(photo(COLORS["green"])[:300])  # truncated: rejected while converting
+    text = "\n".join(shard(cfg(src, tmp_path / "out", val_fraction=0)).lines())
+    assert "11 images processed" in text and "10 written, 1 rejected while converting" in text, text
+    assert "converted to RGB: 1 grayscale, 1 with transparency (flattened onto white)" in text, text
+
+
+def test_index_refuses_an_empty_tar_before_writing_anything(tmp_path):
+    """It wrote a manifest listing a shard of no samples, which every loader then refused."""
+    from fastpipe.convert.foreign import IndexConfig, index_shards
+
+    with wds.TarWriter(str(tmp_path / "good.tar")) as sink:
+        sink.write({"__key__": "a", "jpg": photo(COLORS["red"]), "cls": b"0"})
+    with tarfile.open(tmp_path / "empty.tar", "w"):
+        pass
+    with pytest.raises(DataError, match=r"empty\.tar holds no samples"):
+        index_shards(IndexConfig([tmp_path / "good.tar", tmp_path / "empty.tar"]))
+    assert not (tmp_path / "dataset.json").exists()
 
 
 # -- data safety ------------------------------------------------------------------------------------------

@@ -99,10 +99,12 @@ def test_rejections_of_non_images(data, reason):
     assert process(data, S) == Rejected(reason, process(data, S).detail)
 
 
-def test_truncated_jpeg_is_rejected():
+@pytest.mark.parametrize("cut", [4, 40, 120, 300, 0.5])
+def test_truncated_jpeg_is_rejected_wherever_it_is_cut(cut):
+    """Cut inside its header (the first few hundred bytes) it raised from Image.open and stopped the conversion."""
     data = encode(Image.effect_noise((300, 200), 60).convert("RGB"), "JPEG")
-    res = process(data[: len(data) // 2], S)
-    assert isinstance(res, Rejected) and res.reason == "truncated"
+    res = process(data[: int(len(data) * cut) if cut < 1 else cut], S)
+    assert isinstance(res, Rejected) and res.reason in ("truncated", "corrupt", "not-an-image"), res
 
 
 def test_corrupt_jpeg_is_rejected():

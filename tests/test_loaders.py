@@ -547,6 +547,25 @@ def test_a_state_from_other_data_or_settings_is_refused(converted, folder, tmp_p
         make_loader(converted, "torch", num_workers=0, seed=5, **KW).load_state_dict(mine)
 
 
+@pytest.mark.parametrize("field,value,says", [
+    ("epoch", -1, "epoch -1: must be within"), ("epoch", 10**30, "epoch 10000000000000000000000000000"),
+    ("epoch", 1.7, "epoch 1.7: must be an integer"), ("epoch", None, "epoch None: must be an integer"),
+    ("epoch", float("nan"), "epoch nan"), ("position", [3], r"position \[3\]: must be an integer"),
+    ("position", 10**6, "position 1000000: must be within 0.."), ("epoch", "missing", "no epoch"),
+])
+def test_a_state_that_is_not_one_is_refused_naming_the_field(converted, field, value, says):
+    from fastpipe.errors import ConfigError
+
+    loader = make_loader(converted, "torch", num_workers=0, **KW)
+    state = loader.state_dict()
+    if value == "missing":
+        del state[field]
+    else:
+        state[field] = value
+    with pytest.raises(ConfigError, match=f"loader state:? {says}"):
+        loader.load_state_dict(state)
+
+
 def test_elastic_resume_two_ranks_to_one_with_torchrun(tmp_path):
     """2 ranks x 2 workers read part of an epoch and stop; 1 rank x 3 workers resumes from the saved state: every
     sample of the epoch's consumed part comes once, none twice, and the rest is read."""
@@ -567,3 +586,22 @@ def test_elastic_resume_two_ranks_to_one_with_torchrun(tmp_path):
     total = load(out).splits["train"].samples
     assert len(first) == 2 * 3 * 4 and len(set(first + rest)) == len(first + rest)  # none twice
     assert total - len(first + rest) < 4  # all but the last step's remainder
+
+
+def test_a_batch_that_cannot_fit_memory_is_refused_before_anything_starts(converted):
+    from fastpipe.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"batch_size 4000 at image_size 4096 needs [\d,.]+ GB for one batch"):
+        make_loader(converted, "torch", split="val", batch_size=4000, image_size=4096, device="cpu")
+
+
+@pytest.mark.parametrize("setting,says", [("min_scale", "min_scale nan: must be a finite number > 0"),
+                                          ("val_crop", "val_crop 0: must be > 0"),
+                                          ("prefetch_factor", "prefetch_factor 0: must be within 1..64"),
+                                          ("seed", "seed -1: must be within 0..")])
+def test_make_loaders_numbers_are_checked_like_the_cli_flags(converted, setting, says):
+    from fastpipe.errors import ConfigError
+
+    value = {"min_scale": float("nan"), "val_crop": 0, "prefetch_factor": 0, "seed": -1}[setting]
+    with pytest.raises(ConfigError, match=says):
+        make_loader(converted, "torch", device="cpu", num_workers=0, **{setting: value})

@@ -1,5 +1,5 @@
 """Data sets in object storage, read through real servers on loopback: an HTTP server with Range support
-(fastpipe.devserver) and moto's S3-protocol server, both with injected faults (503s, reset connections, stalls).
+(fastpipe.testing.devserver) and moto's S3-protocol server, both with injected faults (503s, reset connections, stalls).
 Every backend must read every sample by URL with the right labels, nothing lost or repeated; the node cache must
 fetch each byte once across workers, evict under its limit and repair a damaged cached shard."""
 
@@ -21,11 +21,11 @@ import pytest
 import torch
 from conftest import epoch
 
-from fastpipe.devserver import Faults, FolderServer
 from fastpipe.errors import DataError
 from fastpipe.loaders import make_loader
 from fastpipe.manifest import load
 from fastpipe.storage import RemoteError
+from fastpipe.testing.devserver import Faults, FolderServer
 
 REAL = ["torch", "nvjpeg", pytest.param("dali", marks=pytest.mark.dali)]
 KW = dict(batch_size=8, image_size=32, device="cpu", with_keys=True)
@@ -110,6 +110,24 @@ def test_a_damaged_cached_index_is_fetched_again(converted, tmp_path):
     assert remote[:2] == local[:2]
     idx = {s.sha256: (converted / s.index).read_bytes() for s in m.split("val").shards}
     assert all(p.read_bytes() == idx[p.stem] for p in copies)  # repaired
+
+
+def test_a_cached_sample_that_does_not_decode_is_fetched_again_before_it_is_called_bad(converted, tmp_path):
+    """A presence byte set without its bytes (a crash, a disk error, a bad hand): the sample's cached copy is
+    zeros. It was skipped as undecodable, blaming the data; now it is fetched once more and decodes."""
+    m = load(converted)
+    shard = m.split("val").shards[0]
+    local = epoch(make_loader(converted, split="val", num_workers=0, **KW))
+    cache = tmp_path / "c"
+    cache.mkdir(mode=0o700)
+    damaged = bytearray(shard.bytes + shard.samples)  # no bytes; the first two samples claimed present
+    damaged[shard.bytes : shard.bytes + 2] = b"\1\1"
+    (cache / f"{shard.sha256}.shard").write_bytes(bytes(damaged))
+    with FolderServer(converted) as url, warnings.catch_warnings():
+        warnings.simplefilter("error")  # no sample skipped
+        loader = make_loader(url, split="val", num_workers=0, cache_dir=cache, **KW)
+        remote = epoch(loader)
+    assert remote[:2] == local[:2] and torch.equal(remote[2], local[2]) and loader.stats.skipped == 0
 
 
 def test_only_the_needed_part_of_a_shard_is_fetched(converted, tmp_path):
@@ -463,6 +481,32 @@ def test_shard_into_s3_gives_the_local_bytes_and_leaves_only_the_cache(folder, t
     assert (keys, labels) == epoch(make_loader(tmp_path / "local", split="val", num_workers=0, **KW))[:2]
 
 
+@pytest.mark.parametrize("problem", ["no bucket", "no credentials"])
+def test_shard_into_a_store_it_cannot_write_fails_before_converting(folder, tmp_path, s3_bucket, monkeypatch,
+                                                                     capsys, problem):
+    """A bucket that does not exist converted everything, then failed on an upload and left a staging folder;
+    missing credentials were retried 6 times. Both are said at once, before a photo is converted."""
+    from fastpipe.cli import main
+
+    endpoint, _ = s3_bucket
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_DEFAULT_REGION": "us-east-1", "FASTPIPE_CACHE": str(tmp_path / "c"),
+           "AWS_EC2_METADATA_DISABLED": "true", "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+           "AWS_CONFIG_FILE": str(tmp_path / "none")}
+    if problem == "no bucket":
+        env.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
+    else:
+        for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+            monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    bucket = "no-such-bucket" if problem == "no bucket" else "leafs"
+    assert main(["shard", str(folder), f"s3://{bucket}/v1", "--short-side", "48", "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write to s3://{bucket}/v1 (nothing was converted yet)" in err, err
+    assert ("access refused" in err and "after" not in err) if problem == "no credentials" else "not found" in err
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").rglob("*.tar*"))
+
+
 def test_an_interrupted_upload_resumes_with_the_same_bytes(folder, tmp_path, s3_bucket, monkeypatch, capsys):
     """The store fails while `shard SRC s3://...` uploads: the run says so and keeps its staging folder, the
     bucket has no dataset.json (no reader sees a partial set), and the same command run again finishes it."""
@@ -513,17 +557,21 @@ def test_a_conversion_whose_machine_is_lost_resumes_on_another(tmp_path, s3_buck
     args = ["--short-side", "96", "--max-shard-size", "64KB", "--workers", "1"]
     url = "s3://leafs/lost/v1"
     first = tmp_path / "machine-a" / "shards"
-    proc = subprocess.Popen([sys.executable, "-m", "fastpipe", "shard", str(src), url, *args],
-                            env={**os.environ, "FASTPIPE_CACHE": str(first)}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    remote, deadline, mirrored = Remote(url), time.time() + 120, []
-    while len(mirrored) < 2 and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-        if remote.exists(".fastpipe-progress.jsonl"):
-            mirrored = journal_shards(remote.cat(".fastpipe-progress.jsonl").decode())
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert len(mirrored) >= 2 and not remote.exists("dataset.json"), "killed too late, or nothing mirrored"
+    # The machine is lost before its dataset.json lands, whatever the speed of this machine: that upload never ends
+    # (a proxy holds it), and the kill waits for the event it needs, two shards mirrored into the bucket.
+    held = Faults(stall_every=1, stall=600, only="dataset.json")
+    with FolderServer(None, held, proxy_to=endpoint) as proxy:
+        proc = subprocess.Popen([sys.executable, "-m", "fastpipe", "shard", str(src), url, *args],
+                                env={**os.environ, "FASTPIPE_CACHE": str(first), "AWS_ENDPOINT_URL": proxy},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        remote, deadline, mirrored = Remote(url), time.time() + 600, []
+        while len(mirrored) < 2 and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+            if remote.exists(".fastpipe-progress.jsonl"):
+                mirrored = journal_shards(remote.cat(".fastpipe-progress.jsonl").decode())
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert len(mirrored) >= 2 and not remote.exists("dataset.json"), "nothing mirrored"
 
     shutil.rmtree(tmp_path / "machine-a")  # the lost machine's disk
     damaged = tmp_path / "damaged.tar"  # the last mirrored shard, damaged in the store: converted again, uploaded
@@ -541,7 +589,7 @@ def test_a_conversion_whose_machine_is_lost_resumes_on_another(tmp_path, s3_buck
     out = capsys.readouterr().out
     restored = re.search(r"resumed from the journal in the store \((\d+) shards already converted\)", out)
     assert restored and int(restored.group(1)) >= len(mirrored), out
-    converted = re.search(r"(\d+) images converted", out)  # the restored shards' images are not converted again
+    converted = re.search(r"(\d+) images processed", out)  # the restored shards' images are not converted again
     assert converted and 0 < int(converted.group(1)) < 150, out
     from fastpipe.convert.driver import ShardConfig, shard
 

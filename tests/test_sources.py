@@ -13,6 +13,7 @@ from conftest import COLORS, make_folder, photo
 
 from fastpipe.convert.driver import ShardConfig, shard
 from fastpipe.convert.sources import class_order, discover
+from fastpipe.errors import DataError
 from fastpipe.manifest import load
 
 
@@ -143,3 +144,64 @@ def test_one_class_and_no_val_are_said(tmp_path):
     summary = shard(cfg(src, tmp_path / "out"))
     text = "\n".join(summary.lines())
     assert "only one class" in text and "no validation samples" in text
+
+
+def _photos(folder: Path, n: int) -> list[str]:
+    for i in range(n):
+        (folder / f"p{i}.jpg").write_bytes(photo(COLORS["red"], seed=i))
+    return [f"p{i}.jpg" for i in range(n)]
+
+
+@pytest.mark.parametrize("cell", ["2", "-1", "yes"])
+def test_a_bad_cell_in_a_0_1_table_rejects_its_row_not_the_table(tmp_path, cell):
+    """One cell of 2, -1 or 'yes' turned the table into a single-label list of its first column, the other
+    columns silently dropped."""
+    names = _photos(tmp_path, 6)
+    rows = ["path,rust,scab,mildew"] + [f"{n},1,0,{1 if i % 2 else 0}" for i, n in enumerate(names)]
+    rows[3] = f"{names[2]},1,{cell},0"
+    (tmp_path / "l.csv").write_text("\n".join(rows) + "\n")
+    source = discover(tmp_path / "l.csv")
+    assert source.multilabel and source.classes == ("rust", "scab", "mildew") and len(source.items) == 5
+    (r,) = source.rejections
+    assert (r.path, r.reason) == ("p2.jpg", "bad-label")
+    assert f"line 4, column 'scab': '{cell}' is not 0 or 1" in r.detail
+    assert any("one 0/1 column per class" in n for n in source.notes)
+
+
+@pytest.mark.parametrize("header,says", [("path,rust,,mildew", "empty or repeated: ''"),
+                                         ("path,rust,rust,mildew", "empty or repeated: 'rust'")])
+def test_a_0_1_table_whose_header_is_malformed_is_refused(tmp_path, header, says):
+    names = _photos(tmp_path, 3)
+    (tmp_path / "l.csv").write_text("\n".join([header] + [f"{n},1,0,1" for n in names]) + "\n")
+    with pytest.raises(DataError, match=says):
+        discover(tmp_path / "l.csv")
+
+
+def test_a_huge_cell_is_named_by_its_line(tmp_path):
+    names = _photos(tmp_path, 2)
+    (tmp_path / "l.csv").write_text(f"path,label\n{names[0]},red\n{names[1]},\"{'x' * 700_000}\"\n")
+    with pytest.raises(DataError, match=r"l\.csv, line \d: not a readable CSV row"):
+        discover(tmp_path / "l.csv")
+
+
+def test_a_label_with_a_line_break_is_rejected_not_cut(tmp_path):
+    names = _photos(tmp_path, 3)
+    (tmp_path / "l.csv").write_text(f'{names[0]},red\n{names[1]},"re\nd"\n{names[2]},red\n')
+    source = discover(tmp_path / "l.csv")
+    assert [i.path for i in source.items] == [names[0], names[2]] and source.classes == ("red",)
+    (r,) = source.rejections
+    assert r.reason == "bad-label" and "a line break" in r.detail
+
+
+def test_a_labels_header_makes_a_multi_label_list_even_without_a_pair(tmp_path):
+    """Only one label per row and a few rows with none: it was read as single-label, the empty rows rejected as
+    bad-row (164 of 181 rows lost, visible only in the summary)."""
+    names = _photos(tmp_path, 6)
+    rows = ["path,labels"] + [f"{n},{'rust' if i % 3 == 0 else ''}" for i, n in enumerate(names)]
+    (tmp_path / "l.csv").write_text("\n".join(rows) + "\n")
+    source = discover(tmp_path / "l.csv")
+    assert source.multilabel and len(source.items) == 6 and not source.rejections
+    assert any("the header names the label column 'labels'" in n for n in source.notes)
+    single = tmp_path / "s.csv"
+    single.write_text("path,label\n" + "".join(f"{n},red\n" for n in names))
+    assert any("one label per row" in n for n in discover(single).notes)

@@ -17,9 +17,9 @@ import pytest
 import torch
 from conftest import epoch
 
-from fastpipe.devserver import Faults, FolderServer
 from fastpipe.loaders import make_loader
 from fastpipe.storage import Remote, RemoteError
+from fastpipe.testing.devserver import Faults, FolderServer
 
 KW = dict(batch_size=8, image_size=32, device="cpu", with_keys=True)
 AZURITE = Path(__file__).resolve().parent.parent / ".tools/azurite/node_modules/.bin/azurite-blob"

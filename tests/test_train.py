@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from fastpipe.errors import ConfigError
 from fastpipe.manifest import load
 from fastpipe.train.config import TrainConfig, image_size_for_epoch
 from fastpipe.train.loop import Dist, Trainer, TrainingStopped, make_schedule
@@ -109,11 +110,52 @@ def test_bf16_autocast_on_cpu(converted, tmp_path):
     assert m["train_loss"] == m["train_loss"] and m["train_loss"] > 0  # finite
 
 
-def test_non_finite_losses_stop_with_advice(converted, tmp_path):
+def _nan_weights(path: Path) -> str:
+    """A resnet18 state dict whose every weight is NaN: every loss of a run that starts from it is NaN."""
+    state = build_model("resnet18", 3).state_dict()
+    torch.save({k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in state.items()}, path)
+    return str(path)
+
+
+@pytest.mark.parametrize("log_every", [2, 1000])
+def test_non_finite_losses_stop_with_advice_and_never_finish(converted, tmp_path, log_every):
+    """Every loss NaN: the run stops with advice and is recorded as stopped, also when the epoch is shorter than
+    --log-every (it ran to the end as 'finished' with loss 0.000)."""
+    out = tmp_path / "nan"
     with pytest.raises(TrainingStopped, match=r"not finite.*Lower --lr"):
-        train(cfg(converted, tmp_path / "nan", epochs=2, lr=1e12, max_nonfinite=2, label_smoothing=0.0))
-    summary = json.loads((tmp_path / "nan" / "summary.json").read_text())
-    assert summary["status"].startswith("stopped")
+        train(cfg(converted, out, epochs=2, max_nonfinite=2, log_every=log_every,
+                  pretrained=_nan_weights(tmp_path / "nan.pt")))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"].startswith("stopped") and summary["epochs_done"] == 0
+
+
+@pytest.mark.parametrize("bad", ["lr=-1", "momentum=-1", "warmup_epochs=nan", "label_smoothing=2", "weight_decay=-1",
+                                 "log_every=0", "stop_after=-1", "seed=-1", "image_size=100000", "epochs=0",
+                                 "max_nonfinite=0", "accum_steps=0", "batch_size=-4", "lr=inf"])
+def test_every_numeric_setting_is_checked_where_the_config_is_built(bad):
+    name, value = bad.split("=")
+    value = float(value) if name in ("lr", "momentum", "warmup_epochs", "label_smoothing", "weight_decay") \
+        else int(value)
+    with pytest.raises(ConfigError, match=rf"--{name.replace('_', '-')} {value!r}: must be"):
+        TrainConfig(data=".", **{name: value})
+
+
+def test_pretrained_weights_say_what_loaded_and_refuse_what_matches_nothing(converted, tmp_path, capsys):
+    net = build_model("resnet18", 5)  # another class count: everything but the head loads
+    torch.save(net.state_dict(), tmp_path / "r18.pt")
+    build_model("resnet18", 3, pretrained=str(tmp_path / "r18.pt"))
+    assert "loaded 120 of the model's 122 tensors; left as initialised: fc.bias, fc.weight" in capsys.readouterr().out
+    torch.save(build_model("mobilenet_v3_small", 3).state_dict(), tmp_path / "other.pt")
+    with pytest.raises(ConfigError, match=r"none of its \d+ tensors matches a ResNet"):
+        build_model("resnet18", 3, pretrained=str(tmp_path / "other.pt"))
+    torch.save([1, 2, 3], tmp_path / "list.pt")
+    with pytest.raises(ConfigError, match="holds a list, not a state dict"):
+        build_model("resnet18", 3, pretrained=str(tmp_path / "list.pt"))
+    import pickle
+
+    (tmp_path / "code.pt").write_bytes(pickle.dumps(print, protocol=2))  # what weights_only refuses to run
+    with pytest.raises(ConfigError, match="not a weights file that can be loaded safely"):
+        build_model("resnet18", 3, pretrained=str(tmp_path / "code.pt"))
 
 
 def test_progressive_resizing_ends_at_full_size():
@@ -175,6 +217,11 @@ def test_memory_cli_prints_the_breakdown():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "optimizer state" in r.stdout and "largest batch that fits" in r.stdout
+    assert "measuring resnet18 at 64px" in r.stderr  # said before the seconds it takes
+    lines = {ln.split()[0]: ln for ln in r.stdout.splitlines() if ln.startswith("  ") and " MB" in ln}
+    mb = [float(ln.split("MB")[0].split()[-1]) for k, ln in lines.items() if k not in ("total", "against")]
+    total = float(lines["total"].split("MB")[0].split()[-1])
+    assert sum(mb) == pytest.approx(total, abs=0.3)  # the column adds up to its total
 
 
 # -- on a GPU ---------------------------------------------------------------------------------------
@@ -230,6 +277,24 @@ def test_resume_drops_what_was_logged_after_the_last_checkpoint(tmp_path):
     assert [m["step"] for m in run.metrics() if m["kind"] == "step"] == list(range(1, 8))
 
 
+def test_every_invocation_of_a_run_is_in_its_history_and_no_epoch_is_logged_twice(converted, tmp_path):
+    """Stopped, resumed to the end, then extended with --epochs: the summary keeps each part (the interruption was
+    recorded nowhere, and `minutes` counted only the last part), and every epoch is logged once."""
+    from fastpipe.train.session import train_from_cli
+
+    out = tmp_path / "r"
+    train(cfg(converted, out, epochs=2, stop_after=1, workers=0))
+    train_from_cli({"data": str(converted), "out": str(out), "resume": True})
+    train_from_cli({"data": str(converted), "out": str(out), "resume": True, "epochs": 3})
+    assert [m["epoch"] for m in epochs(out)] == [0, 1, 2]
+    summary = _summary(out)
+    history = summary["history"]
+    assert [h["status"].split(" ")[0] for h in history] == ["stopped", "finished", "finished"]
+    assert [h["from_epoch"] for h in history] == [0, 1, 2] and [h["resumed"] for h in history] == [False, True, True]
+    assert summary["minutes"] == pytest.approx(sum(h["seconds"] for h in history) / 60, abs=0.01)
+    assert summary["epochs_done"] == 3
+
+
 # -- how a run ends, and resuming it safely ----------------------------------------------------------------
 def _summary(run: Path) -> dict:
     return json.loads((run / "summary.json").read_text())
@@ -260,7 +325,9 @@ def test_ctrl_c_and_sigterm_leave_a_summary_and_the_resume_command(converted, tm
     assert p.returncode == code, err[-2000:]
     assert _summary(out)["status"] == status
     assert f"--out {out} --resume" in err and "Traceback" not in err
+    assert f"{signal.Signals(sig).name}: stopping after this step, with a checkpoint" in err  # said when received
     if sig == signal.SIGINT:
+        assert "Ctrl-C again to stop at once" in err
         return
     # ... and that command continues the run
     r = subprocess.run([sys.executable, "-m", "fastpipe", "train", str(converted), "--out", str(out), "--resume",
@@ -318,6 +385,61 @@ def test_a_crafted_or_damaged_checkpoint_is_refused_without_running_it(converted
         train(cfg(converted, out, epochs=2, resume=True))
 
 
+def _edit(state: dict, what: str) -> dict:
+    """A hand edit of a checkpoint, as a user (or a bad script) might make it."""
+    state = {**state, "model": dict(state["model"])}
+    if what == "epoch":
+        state["epoch"] = 10**12
+    elif what == "shape":
+        state["model"]["fc.weight"] = torch.zeros(7, 7)
+    elif what == "extra":
+        state["model"]["extra.weight"] = torch.zeros(3)
+    elif what == "optimizer":
+        state["optimizer"] = torch.optim.AdamW([nn.Parameter(torch.zeros(2))]).state_dict()
+    elif what == "rng":
+        state["rng_cpu"] = state["rng_cpu"][:100]
+    elif what == "progress":
+        state["mid_epoch"] = {"loader": {}, "progress": {"step": 1, "bogus": 3}}
+    elif what == "loader":
+        state["mid_epoch"] = {"loader": {"epoch": 1.7}, "progress": {"step": 1}}
+    return state
+
+
+@pytest.mark.parametrize("what,says", [("epoch", "its epoch 1000000000000: must be within 0..1"),
+                                       ("shape", "size mismatch for fc.weight"), ("extra", "extra.weight"),
+                                       ("optimizer", "parameter group"), ("rng", "RNG state"),
+                                       ("progress", "unknown fields"), ("loader", "loader state")])
+def test_a_hand_edited_checkpoint_is_one_line_naming_the_file(converted, tmp_path, capsys, what, says):
+    """A resumed run trusted last.pt: an epoch of 10**12 ended 'finished' with 1 of 2 epochs; a tensor of another
+    shape, a foreign optimizer, a short RNG state ended in a traceback."""
+    from fastpipe.cli import main
+
+    out = tmp_path / "r"
+    train(cfg(converted, out, epochs=2, stop_after=1, workers=0))
+    torch.save(_edit(torch.load(out / "last.pt", weights_only=True), what), out / "last.pt")
+    capsys.readouterr()
+    assert main(["train", str(converted), "--out", str(out), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "last.pt" in err and says in err and "Traceback" not in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("field,value,says", [("lr", "fast", "--lr 'fast': must be a number"),
+                                              ("epochs", 2.5, "--epochs 2.5: must be an integer"),
+                                              ("model", 18, "--model 18: must be text")])
+def test_a_hand_edited_config_json_is_one_line_naming_the_file(converted, tmp_path, capsys, field, value, says):
+    from fastpipe.cli import main
+
+    out = tmp_path / "r"
+    train(cfg(converted, out, epochs=2, stop_after=1, workers=0))
+    config = json.loads((out / "config.json").read_text())
+    config["train"][field] = value
+    (out / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert main(["train", str(converted), "--out", str(out), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "config.json" in err and says in err and "Traceback" not in err, err
+
+
 def test_a_partial_last_metrics_line_is_dropped_a_damaged_one_is_named(converted, tmp_path):
     from fastpipe.train.runs import Run, RunError
 
@@ -351,6 +473,27 @@ def test_an_image_size_above_the_stored_side_warns(converted):
 
     with pytest.warns(UserWarning, match=r"image_size 96 is larger than the stored short side \(64 px\)"):
         make_loader(converted, "torch", batch_size=4, image_size=96, device="cpu", num_workers=0)
+
+
+def test_what_a_cpu_run_should_know_is_one_line_each(converted, tmp_path):
+    """fp16 on a CPU ran about 20x slower than fp32; an image size above the stored side was a raw UserWarning with a
+    source line; neither is now: each is one line of fastpipe's, and the run goes on in fp32."""
+    r = subprocess.run([sys.executable, "-m", "fastpipe", "train", str(converted), "--out", str(tmp_path / "r"),
+                        "--amp", "fp16", "--image-size", "96", "--epochs", "1", "--batch-size", "8", "--workers", "0",
+                        "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "fastpipe: warning: --amp fp16 on a CPU is about 20x slower than fp32" in r.stderr
+    assert "fastpipe: warning: image_size 96 is larger than the stored short side (64 px)" in r.stderr
+    assert "UserWarning" not in r.stderr and "warnings.warn" not in r.stderr and "lr_scheduler" not in r.stderr
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["train"]["amp"] == "off"
+
+
+def test_training_the_photo_folder_suggests_a_new_folder_not_the_photos(folder, capsys):
+    from fastpipe.cli import main
+
+    assert main(["train", str(folder), "--epochs", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"`fastpipe shard {folder} {folder}-shards`" in err and f"shard SRC {folder}`" not in err
 
 
 # -- mid-epoch resumption ------------------------------------------------------------------------------------
@@ -400,6 +543,34 @@ def test_sigterm_mid_epoch_then_resume_is_bit_identical_to_an_uninterrupted_run(
     assert [m["train_loss"] for m in epochs(cut)] == pytest.approx([m["train_loss"] for m in epochs(straight)])
 
 
+def test_a_loader_worker_killed_by_the_system_ends_the_run_with_what_to_do(converted, tmp_path):
+    """The out-of-memory killer's SIGKILL to a loader worker ended training with PyTorch's RuntimeError and a
+    traceback. Now: what happened and what to change, a checkpoint, the resume command, and a resume that gives the
+    bits of an uninterrupted run."""
+    import psutil
+
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    assert _start(converted, straight, "--epochs", "1").wait(300) == 0
+    p = _start(converted, cut, "--epochs", "1")
+    _wait_for_step(cut, 4, p)
+    me = psutil.Process(p.pid)
+    workers = [c for c in me.children() if c.cmdline() == me.cmdline()]  # forked loader workers
+    assert workers
+    for w in workers:
+        w.kill()
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 2 and "Traceback" not in err, err[-2000:]
+    assert "a loader worker process died" in err and "out of memory" in err and "fewer --workers" in err
+    assert "--resume continues" in err and json.loads((cut / "summary.json").read_text())["status"].startswith("stop")
+    assert torch.load(cut / "last.pt", weights_only=True)["mid_epoch"]
+    r = subprocess.run([sys.executable, "-m", "fastpipe", "train", str(converted), "--out", str(cut), "--resume"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    a = torch.load(straight / "last.pt", weights_only=True)["model"]
+    b = torch.load(cut / "last.pt", weights_only=True)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_killed_run_resumes_from_its_last_periodic_checkpoint(converted, tmp_path):
     out = tmp_path / "r"
     p = _start(converted, out, "--epochs", "2", "--checkpoint-every", "3")
@@ -422,6 +593,21 @@ def test_errors_csv_names_the_most_confident_mistakes(converted, tmp_path):
     conf = [float(r.split(",")[1]) for r in rows[1:]]
     assert conf == sorted(conf, reverse=True)
     assert (run / "errors.jpg").stat().st_size > 5000
+    from PIL import Image
+
+    from fastpipe.train.errors import CELL, COLS, _clip
+
+    assert Image.open(run / "errors.jpg").width == min(COLS, len(rows) - 1) * CELL  # no empty columns
+    assert _clip("leaf_blight/IMG_20240101_123456.jpg", 12, keep_end=True) == "…_123456.jpg"
+    assert _clip("early_blight_of_tomato", 8) == "early_b…"
+
+
+def test_runs_lists_each_figure_in_its_own_unit():
+    from fastpipe.train.runs import format_runs
+
+    text = format_runs([{"run": "a", "img/s": 3.855, "wait%": 2.156, "peak MB": 812.4, "val acc/mAP": 0.9133,
+                         "minutes": 12.25, "status": "finished"}])
+    assert text.splitlines()[1].split() == ["a", "3.9", "2%", "812", "0.913", "12.2", "finished"]
 
 
 def test_resume_under_torchrun_with_another_process_count(converted, tmp_path):

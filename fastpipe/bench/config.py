@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from fastpipe.loaders import BACKEND_NAMES
-from fastpipe.options import opt, parse_onoff, parse_workers
+from fastpipe.options import MAX_IMAGE_SIZE, amp_for, check, opt, parse_onoff, parse_workers
+from fastpipe.urls import check_location
 
 CPU_BUDGET = 300.0  # seconds for a whole bench on a CPU unless --max-seconds says otherwise
 
@@ -16,31 +17,36 @@ class BenchConfig:
     model: str = opt("resnet18", "torchvision model name")
     backend: str = opt("torch", "loader backend: " + ", ".join(BACKEND_NAMES), sweep=True, choices=BACKEND_NAMES)
     device: str | None = opt(None, "cuda, cpu (default: cuda when available)")
-    batch_size: int = opt(64, "batch size", sweep=True)
-    image_size: int = opt(224, "image size", sweep=True)
+    batch_size: int = opt(64, "batch size", sweep=True, low=1, high=65536)
+    image_size: int = opt(224, "image size", sweep=True, low=16, high=MAX_IMAGE_SIZE)
     amp: str | None = opt(None, "mixed precision (default: fp16 on CUDA, off on a CPU)",
                           choices=("fp16", "bf16", "off"))
-    workers: int | str | None = opt(None, "loader workers: a number, auto or probe", sweep=True, parse=parse_workers)
+    workers: int | str | None = opt(None, "loader workers: a number, auto or probe", sweep=True, parse=parse_workers,
+                                    low=0, high=1024)
     pin_memory: bool | None = opt(None, "pinned host memory: on, off, auto", sweep=True, parse=parse_onoff)
     channels_last: bool | None = opt(None, "channels_last memory format (default: on CUDA)")
     augment: str | None = opt(None, "augmentation on the device, as `fastpipe train --augment` (its share of a "
                                     "step is measured too)")
-    steps: int = opt(20, "timed steps per window")
-    windows: int = opt(3, "timing windows per measurement (the median is reported)")
-    warmup: int = opt(3, "untimed steps before each measurement")
+    steps: int = opt(20, "timed steps per window", low=1, high=1_000_000)
+    windows: int = opt(3, "timing windows per measurement (the median is reported)", low=1, high=100)
+    warmup: int = opt(3, "untimed steps before each measurement", low=0, high=10_000)
     cache_dir: str | None = opt(None, "remote data (s3://, gs://, az://, http(s)://): this node's shard cache "
                                       "(default ~/.cache/fastpipe/shards or $FASTPIPE_CACHE)")
     cache_limit: str | None = opt(None, "remote data: keep the shard cache under this size, e.g. 50GB "
                                         "(least recently used shards go first; default: no limit)")
     max_seconds: float | None = opt(None, f"time for the whole bench (default: {CPU_BUDGET:.0f} on a CPU, no limit "
-                                          f"on CUDA); each measurement gets an equal share")
+                                          f"on CUDA); each measurement gets an equal share", above=0, high=1e6)
+
+    def __post_init__(self):
+        check(self)
+        check_location(self.data)
 
     def resolved(self) -> BenchConfig:
         import torch
 
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         cuda = device.startswith("cuda")
-        return replace(self, device=device, amp=self.amp or ("fp16" if cuda else "off"),
+        return replace(self, device=device, amp=amp_for(self.amp, cuda),
                        channels_last=cuda if self.channels_last is None else self.channels_last,
                        max_seconds=self.max_seconds or (None if cuda else CPU_BUDGET))
 

@@ -22,17 +22,13 @@ from torch import nn
 
 from fastpipe.bench.config import CPU_BUDGET, SWEPT, BenchConfig, split_sweep  # noqa: F401 (the API)
 from fastpipe.bench.timing import Budget, Utilisation, cuda_sync, endless, measure
+from fastpipe.bench.verdict import BUSY_SHARE, advice, contradiction, too_short, verdict
 from fastpipe.loaders import LoaderConfig, make_loader_from
 from fastpipe.manifest import load
 from fastpipe.train.config import TrainConfig
 from fastpipe.train.loop import Dist, Trainer, make_optimizer
 from fastpipe.train.models import build_model
 from fastpipe.util import usable_cores
-
-DEVICE_BOUND = 0.90  # end to end within 10 % of the model-only rate: the device is the limit
-LOADER_BOUND = 0.85  # end to end at >= 85 % of the loader-only rate, and well below the model: the loader
-WAIT_BOUND = 0.5  # ... or half of every step spent waiting for data (a loader in the training process)
-WAIT_FREE = 0.1  # under a tenth of each step waiting: the loader is not what holds training back
 
 
 def _trainer(cfg: BenchConfig, num_classes: int) -> Trainer:
@@ -71,17 +67,40 @@ def _measure(cfg: BenchConfig, step, seconds: float | None) -> dict:
     return {**t.as_dict(), **u.summary()}
 
 
-def model_only(cfg: BenchConfig, manifest, seconds: float | None) -> dict:
-    trainer = _trainer(cfg, manifest.num_classes)
-    x, y = next(iter(_loader(cfg, manifest, "synthetic")))
-    trainer.model.train()
-    streak = torch.zeros((), dtype=torch.int64, device=trainer.device)
+def model_only(cfg: BenchConfig, step, batch: tuple, seconds: float | None) -> dict:
+    """The training step on one batch held on the device: what the model consumes with no loader at all."""
+    x, y = batch
 
-    def step():
-        trainer.step(x, y, 0, 1, streak)
+    def timed():
+        step(x, y)
         return len(y)
 
-    return _measure(cfg, step, seconds)
+    return _measure(cfg, timed, seconds)
+
+
+def loader_only(cfg: BenchConfig, batches, seconds: float | None) -> dict:
+    def timed():
+        x, _ = next(batches)
+        return len(x)
+
+    return _measure(cfg, timed, seconds)
+
+
+def end_to_end(cfg: BenchConfig, batches, step, seconds: float | None) -> dict:
+    """The training step fed by the loader, and the share of the time spent waiting for its batches."""
+    waited = [0.0]
+
+    def timed():
+        t = time.perf_counter()
+        x, y = next(batches)
+        waited[0] += time.perf_counter() - t
+        step(x, y)
+        return len(y)
+
+    start = time.perf_counter()
+    e2e = _measure(cfg, timed, seconds)
+    e2e["data_wait"] = waited[0] / max(time.perf_counter() - start, 1e-9)
+    return e2e
 
 
 def augment_only(cfg: BenchConfig, manifest, seconds: float | None) -> dict:
@@ -114,89 +133,48 @@ def augment_only(cfg: BenchConfig, manifest, seconds: float | None) -> dict:
             "augmented_img_per_s": augmented["img_per_s"]}
 
 
-def loader_and_e2e(cfg: BenchConfig, manifest, seconds: float | None) -> tuple[dict, dict, object]:
-    loader = _loader(cfg, manifest, cfg.backend)
-    real = _batches(loader)
-
-    def loader_step():
-        x, _ = next(real)
-        return len(x)
-
-    lo = _measure(cfg, loader_step, seconds)
-    trainer = _trainer(cfg, manifest.num_classes)
-    streak = torch.zeros((), dtype=torch.int64, device=trainer.device)
-    waited = [0.0]
-
-    def e2e_step():
-        t = time.perf_counter()
-        x, y = next(real)
-        waited[0] += time.perf_counter() - t
-        trainer.step(x, y, 0, 1, streak)
-        return len(y)
-
-    start = time.perf_counter()
-    e2e = _measure(cfg, e2e_step, seconds)
-    e2e["data_wait"] = waited[0] / max(time.perf_counter() - start, 1e-9)
-    return lo, e2e, loader
-
-
-def verdict(loader_ips: float, model_ips: float, e2e_ips: float, wait_share: float) -> dict:
-    """loader-bound / device-bound / balanced, from the three rates and the share of each step spent waiting.
-
-    The wait share decides first: it is the direct measure of a device starved of data, while the rates were
-    measured at different moments (noise of +-10 % on a busy machine). Waiting half the time is loader-bound;
-    waiting under a tenth is device-bound even if end to end is below model-only (that gap is the machine: on a
-    CPU the loader's workers take cores from the model, and noise). headroom = loader / model."""
-    headroom = loader_ips / max(model_ips, 1e-9)
-    idle = max(0.0, 1 - e2e_ips / max(model_ips, 1e-9))
-    ratio = e2e_ips / max(model_ips, 1e-9)
-    if wait_share >= WAIT_BOUND or (e2e_ips >= LOADER_BOUND * loader_ips and loader_ips < DEVICE_BOUND * model_ips
-                                    and wait_share >= WAIT_FREE):
-        v = "loader-bound"
-        words = (f"loader-bound: end to end {e2e_ips:,.1f} img/s is held by the loader (alone {loader_ips:,.1f} "
-                 f"img/s, {headroom:.2f}x what the model consumes); the device could take {model_ips:,.1f} img/s "
-                 f"and sits idle {idle:.0%} of the time ({wait_share:.0%} of each step waits for data)")
-    elif wait_share < WAIT_FREE or ratio >= DEVICE_BOUND:
-        v = "device-bound"
-        gap = "" if ratio >= DEVICE_BOUND else (f"; the {1 - ratio:.0%} below model-only is not waiting for data "
-                                                 f"(on a CPU the loader's workers share its cores; or noise)")
-        words = (f"device-bound: end to end runs at {ratio:.0%} of the model-only rate ({e2e_ips:,.1f} of "
-                 f"{model_ips:,.1f} img/s), {wait_share:.0%} of each step waits for data; the loader delivers "
-                 f"{headroom:.1f}x what the model consumes{gap}")
+def judge(cfg: BenchConfig, batches, step, synthetic: tuple, budget: Budget, model: dict | None = None,
+          log=lambda line: None) -> dict:
+    """The three measurements of one configuration and their verdict. Figures too short to mean anything give no
+    verdict; figures that contradict each other are measured once more, and if they still do, the row is
+    'disturbed', with the CPU share other processes took, instead of a verdict. `model`: a model-only
+    measurement of the same model setting to reuse."""
+    mo = model or model_only(cfg, step, synthetic, budget.share())
+    if model is None:
+        log(f"  model only: {_fmt(mo)}")
+    lo = loader_only(cfg, batches, budget.share())
+    e2e = end_to_end(cfg, batches, step, budget.share())
+    log(f"  loader only: {_fmt(lo)}; end to end: {_fmt(e2e)}")
+    short = too_short({"loader only": lo, "model only": mo, "end to end": e2e})
+    problem = None if short else contradiction(lo, mo, e2e)
+    if problem:
+        log(f"  {problem}: impossible, measuring the three again")
+        budget.extra(3)
+        mo = model_only(cfg, step, synthetic, budget.share())
+        lo = loader_only(cfg, batches, budget.share())
+        e2e = end_to_end(cfg, batches, step, budget.share())
+        log(f"  again: model only {_fmt(mo)}; loader only {_fmt(lo)}; end to end {_fmt(e2e)}")
+        short = too_short({"loader only": lo, "model only": mo, "end to end": e2e})
+        problem = None if short else contradiction(lo, mo, e2e)
+    row = {"loader_only": lo, "model_only": mo, "end_to_end": e2e, "headroom": lo["img_per_s"] / mo["img_per_s"],
+           "others_cpu_pct": max(m.get("others_cpu_pct") or 0 for m in (lo, mo, e2e))}
+    if short:
+        row.update(verdict="not measured", verdict_text=f"not measured: {short}")
+    elif problem:
+        row.update(verdict="disturbed", verdict_text=f"disturbed: {problem}, measured twice; {_others(row)}")
     else:
-        v = "balanced"
-        words = (f"balanced: end to end {e2e_ips:,.1f} img/s, below both the loader ({loader_ips:,.1f}) and the "
-                 f"model ({model_ips:,.1f}); they compete (on a CPU: for the same cores), {wait_share:.0%} data wait")
-    return {"verdict": v, "verdict_text": words, "headroom": headroom, "device_idle": idle}
+        row.update(verdict(lo["img_per_s"], mo["img_per_s"], e2e["img_per_s"], e2e["data_wait"]))
+    row["caveats"] = [f"other processes took {row['others_cpu_pct']:.0f}% of the CPU while this was measured: the "
+                      f"figures may be low"] if row["others_cpu_pct"] >= 100 * BUSY_SHARE and not problem else []
+    return row
 
 
-def advice(r: dict, manifest) -> list[str]:
-    """Concrete next steps from the numbers."""
-    c, out = r["config"], []
-    cuda = c["device"].startswith("cuda")
-    workers = r.get("loader_workers")
-    if r["verdict"] in ("loader-bound", "balanced"):
-        if workers is not None and workers < usable_cores() and c["backend"] in ("torch", "nvjpeg"):
-            out.append(f"more loader workers: {workers} of {usable_cores()} cores in use (--workers)")
-        if cuda and c["backend"] == "torch":
-            out.append("decode on the GPU: --backend dali (nvJPEG, hardware decoder) or --backend nvjpeg")
-        stored = manifest.settings.get("short_side")
-        if stored and stored > 1.5 * c["image_size"]:
-            out.append(f"store smaller images: re-shard with --short-side {int(c['image_size'] * 1.15)} "
-                       f"(now {stored}); decode cost grows with stored pixels")
-        if not cuda:
-            out.append("on a CPU-only machine decoding and training share the cores: a GPU, or a smaller "
-                       "--image-size, is the larger lever")
-    if r["verdict"] in ("device-bound", "balanced"):
-        if c["amp"] == "off":
-            out.append("mixed precision: --amp fp16 on CUDA (bf16 on recent CPUs)" if cuda else
-                       "mixed precision: --amp bf16 where the CPU supports it")
-        if cuda and not c["channels_last"]:
-            out.append("--channels-last: faster convolutions with Tensor Cores")
-        if cuda:
-            out.append(f"a bigger batch if memory allows: `fastpipe memory --model {c['model']} --image-size "
-                       f"{c['image_size']}` shows the largest that fits; --compile can add 10-30 %")
-    return out
+def _others(row: dict) -> str:
+    share = row["others_cpu_pct"]
+    if share >= 100 * BUSY_SHARE:
+        return f"other processes took {share:.0f}% of the CPU meanwhile: rerun when the machine is quiet"
+    return (f"other processes took only {share:.0f}% of the CPU: the device or this machine's clock varies; "
+            f"rerun with more --steps")
 
 
 def grid(cfg: BenchConfig, sweep: dict[str, list]) -> list[BenchConfig]:
@@ -214,8 +192,7 @@ def run_sweep(cfg: BenchConfig, sweep: dict[str, list] | None = None, log=None) 
     """Every configuration of the sweep: model-only once per model setting, loader-only and end to end per row,
     within cfg.max_seconds in all. `log(line)` reports progress as it goes."""
     log = log or (lambda line: None)
-    sweep = sweep or {}
-    configs = grid(cfg, sweep)
+    configs = grid(cfg, sweep or {})  # every setting checked (BenchConfig) before anything is measured
     manifest = load(configs[0].data, cache_dir=configs[0].cache_dir, cache_limit=configs[0].cache_limit)
     models = {c.model_key() for c in configs}
     budget = Budget(configs[0].max_seconds, len(models) * (2 if configs[0].augment else 1) + 2 * len(configs))
@@ -224,38 +201,43 @@ def run_sweep(cfg: BenchConfig, sweep: dict[str, list] | None = None, log=None) 
     for i, c in enumerate(configs, 1):
         name = f"[{i}/{len(configs)}] {c.backend} workers={c.workers if c.workers is not None else 'auto'} " \
                f"batch {c.batch_size} {c.image_size}px"
-        if c.model_key() not in model_rates:
-            log(f"{name}: model only ({c.model}, {c.amp}, synthetic data on {c.device}) ...")
-            model_rates[c.model_key()] = model_only(c, manifest, budget.share())
-            log(f"  model only: {_fmt(model_rates[c.model_key()])}")
-            if c.augment:
-                aug_rates[c.model_key()] = augment_only(c, manifest, budget.share())
-                log(f"  augmentation ({c.augment}) adds {aug_rates[c.model_key()]['ms_per_batch']:.1f} ms per batch")
+        if c.augment and c.model_key() not in aug_rates:
+            aug_rates[c.model_key()] = augment_only(c, manifest, budget.share())
+            log(f"  augmentation ({c.augment}) adds {aug_rates[c.model_key()]['ms_per_batch']:.1f} ms per batch")
         try:
-            log(f"{name}: loader only, then end to end ...")
-            lo, e2e, loader = loader_and_e2e(c, manifest, budget.share())
+            log(f"{name}: model only ({c.model}, {c.amp}, synthetic data on {c.device}), loader only, end to end ...")
+            loader = _loader(c, manifest, c.backend)
         except ImportError as e:  # e.g. DALI not installed: the row says so instead of failing the sweep
             rows.append({"config": asdict(c), "skipped": str(e)})
             log(f"  skipped: {str(e)[:100]}")
             budget.skip(2)
             continue
-        log(f"  loader only: {_fmt(lo)}; end to end: {_fmt(e2e)}")
-        mo = model_rates[c.model_key()]
-        row = {"config": asdict(c), "loader_workers": getattr(loader, "num_workers", None),
-               "decoder": loader.describe().get("decoder"), "loader_only": lo,
-               "model_only": mo, "end_to_end": e2e,
-               **verdict(lo["img_per_s"], mo["img_per_s"], e2e["img_per_s"], e2e["data_wait"])}
-        if c.model_key() in aug_rates:  # the share of an end-to-end step the augmentation takes
-            row["augment_only"] = aug_rates[c.model_key()]
-            row["augment_share"] = e2e["img_per_s"] / max(aug_rates[c.model_key()]["img_per_s"], 1e-9)
-        row["advice"] = advice(row, manifest)
-        rows.append(row)
+        rows.append(_row(c, manifest, loader, budget, model_rates, aug_rates, log))
         del loader
-    done = [r for r in rows if "skipped" not in r]
-    best = max(done, key=lambda r: r["end_to_end"]["img_per_s"], default=None)
+    good = [r for r in rows if r.get("verdict") not in (None, "not measured", "disturbed")]
+    best = max(good, key=lambda r: r["end_to_end"]["img_per_s"], default=None)
     return {"rows": rows, "best": best["config"] if best else None, "machine": machine_info(),
-            "sweep": {k: [str(x) for x in v] for k, v in sweep.items()}, "seconds": budget.elapsed(),
+            "sweep": {k: [str(x) for x in v] for k, v in (sweep or {}).items()}, "seconds": budget.elapsed(),
             "headroom_definition": "loader_only / model_only"}
+
+
+def _row(c: BenchConfig, manifest, loader, budget: Budget, model_rates: dict, aug_rates: dict, log) -> dict:
+    trainer = _trainer(c, manifest.num_classes)
+    trainer.model.train()
+    streak = torch.zeros((), dtype=torch.int64, device=trainer.device)
+    synthetic = next(iter(_loader(c, manifest, "synthetic")))
+    row = {"config": asdict(c), "loader_workers": getattr(loader, "num_workers", None),
+           "decoder": loader.describe().get("decoder"),
+           **judge(c, _batches(loader), lambda x, y: trainer.step(x, y, 0, 1, streak), synthetic, budget,
+                   model_rates.get(c.model_key()), log)}
+    if row["verdict"] not in ("not measured", "disturbed"):
+        model_rates.setdefault(c.model_key(), row["model_only"])  # shared by the rows with the same model
+    if c.model_key() in aug_rates:  # the share of an end-to-end step the augmentation takes
+        row["augment_only"] = aug_rates[c.model_key()]
+        row["augment_share"] = row["end_to_end"]["img_per_s"] / max(aug_rates[c.model_key()]["img_per_s"], 1e-9)
+    row["advice"] = advice(row, manifest)
+    log(f"  {row['verdict_text']}")
+    return row
 
 
 def run_one(cfg: BenchConfig) -> dict:
@@ -276,4 +258,4 @@ def machine_info() -> dict:
     return info
 
 
-__all__ = ["BenchConfig", "run_one", "run_sweep", "split_sweep", "verdict"]
+__all__ = ["BenchConfig", "judge", "run_one", "run_sweep", "split_sweep", "verdict"]

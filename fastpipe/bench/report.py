@@ -17,6 +17,8 @@ def _rate(x: float) -> str:
 
 
 def table(result: dict) -> str:
+    """The figures of every row, then every row's verdict with its caveats (a sweep's rows each have one), the
+    advice for the best row, and the best configuration when it stands out from the others' noise."""
     swept = [k for k in result["sweep"] if len(result["sweep"][k]) > 1] or ["backend"]
     head = f"{'configuration':34s} {'loader':>9s} {'model':>9s} {'end2end':>9s} {'headroom':>8s} {'wait':>5s}  verdict"
     lines = [head, "-" * len(head)]
@@ -26,22 +28,34 @@ def table(result: dict) -> str:
             continue
         lo, mo, ee = r["loader_only"], r["model_only"], r["end_to_end"]
         lines.append(f"{label(r, swept):34s} {_rate(lo['img_per_s'])} {_rate(mo['img_per_s'])} "
-                     f"{_rate(ee['img_per_s'])} {r['headroom']:7.1f}x {100 * ee['data_wait']:4.0f}%  {r['verdict']}")
+                     f"{_rate(ee['img_per_s'])} {r['headroom']:7.1f}x "
+                     f"{100 * ee['data_wait']:4.0f}%  {r['verdict']}")
     lines.append("(images/s, median of the windows; headroom = loader ÷ model: below 1 the loader cannot keep up)")
     done = [r for r in result["rows"] if "skipped" not in r]
-    if done:
-        best = max(done, key=lambda r: r["end_to_end"]["img_per_s"])
-        lines += ["", best["verdict_text"]]
-        if best.get("decoder"):
-            lines.append(f"JPEG decoder: {best['decoder']}")
-        if "augment_share" in best:
-            lines.append(f"augmentation ({best['config']['augment']}) adds {best['augment_only']['ms_per_batch']:.1f} "
-                         f"ms per batch: {best['augment_share']:.0%} of each end-to-end step")
+    decoders = sorted({r["decoder"] for r in done if r.get("decoder")})
+    if decoders:
+        lines.append(f"JPEG decoder: {', '.join(decoders)}")
+    for r in done:
+        lines += ["", (f"{label(r, swept)}: " if len(done) > 1 else "") + r["verdict_text"]]
+        lines += [f"  caveat: {c}" for c in r.get("caveats", [])]
+        if "augment_share" in r:
+            lines.append(f"  augmentation ({r['config']['augment']}) adds {r['augment_only']['ms_per_batch']:.1f} ms "
+                         f"per batch: {r['augment_share']:.0%} of each end-to-end step")
+    best = next((r for r in done if r["config"] == result.get("best")), None)
+    if best is not None:
         lines += [f"  - {a}" for a in best["advice"]]
         if len(done) > 1:
-            lines.append(f"best configuration: {label(best, swept)} ({best['end_to_end']['img_per_s']:,.1f} img/s "
-                         f"end to end)")
+            lines.append(_best_line(best, done, swept))
     return "\n".join(lines)
+
+
+def _best_line(best: dict, rows: list[dict], swept: list[str]) -> str:
+    e = best["end_to_end"]
+    line = f"best configuration: {label(best, swept)} ({e['img_per_s']:,.1f} img/s end to end, windows " \
+           f"{e['low']:,.1f}-{e['high']:,.1f})"
+    close = [label(r, swept) for r in rows if r is not best and r.get("verdict") not in ("not measured", "disturbed")
+             and r["end_to_end"]["high"] >= e["low"]]
+    return line + (f"; within the noise of {', '.join(close)}" if close else "")
 
 
 def write_json(result: dict, path: str) -> None:

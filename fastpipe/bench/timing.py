@@ -24,6 +24,8 @@ class Throughput:
     images: int
     seconds: float  # the whole measurement, warm-up included
     windows: list[float] = field(default_factory=list)
+    steps: int = 0  # timed steps, over all windows
+    timed_seconds: float = 0.0  # the windows' own time (warm-up excluded)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -52,6 +54,10 @@ class Budget:
 
     def skip(self, n: int) -> None:
         self.left -= n
+
+    def extra(self, n: int) -> None:
+        """n more measurements than planned (figures measured again): later shares shrink to make room."""
+        self.left += n
 
     def describe(self) -> str:
         if self.total is None:
@@ -115,7 +121,7 @@ def measure(step: Callable[[], int], *, warmup: int = 2, windows: int = 3, windo
     if step_s > 0 and math.isfinite(left):
         windows = max(1, min(windows, int(left // step_s)))
     per_window = left / windows
-    rates, total_n = [], 0
+    rates, total_n, steps, timed = [], 0, 0, 0.0
     for _ in range(windows):
         sync()
         w_start, n = time.perf_counter(), 0
@@ -124,15 +130,20 @@ def measure(step: Callable[[], int], *, warmup: int = 2, windows: int = 3, windo
                 break  # the next step would end after this window's share
             t = time.perf_counter()
             n += step()
+            steps += 1
             step_s = time.perf_counter() - t
         sync()  # the clock is read only after the device has finished the window's work
         rates.append(n / (time.perf_counter() - w_start))
+        timed += time.perf_counter() - w_start
         total_n += n
-    return Throughput(statistics.median(rates), min(rates), max(rates), total_n, time.perf_counter() - start, rates)
+    return Throughput(statistics.median(rates), min(rates), max(rates), total_n, time.perf_counter() - start, rates,
+                      steps, timed)
 
 
 class Utilisation(Ticker):
-    """CPU % (psutil) and GPU % (NVML through torch, where installed) sampled in the background."""
+    """CPU % (psutil) and GPU % (NVML through torch, where installed) sampled in the background, and the CPU time
+    other processes took meanwhile (the machine's busy time less this process's and its children's): what tells
+    a measurement disturbed by other work from one of this setup."""
 
     def __init__(self, device: str):
         import psutil
@@ -140,6 +151,17 @@ class Utilisation(Ticker):
         super().__init__(0.2, self._sample, "fastpipe-utilisation")
         self.device, self.cpu, self.gpu = device, [], []
         psutil.cpu_percent(None)  # the first call only starts psutil's interval
+
+    def __enter__(self):
+        self._start = (time.perf_counter(), _busy_seconds(), _own_seconds())
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        wall, busy, own = (b - a for a, b in zip(self._start, (time.perf_counter(), _busy_seconds(), _own_seconds())))
+        import psutil
+
+        self.others = max(0.0, busy - own) / max(wall * (psutil.cpu_count() or 1), 1e-9)  # share of the machine
 
     def _sample(self) -> None:
         import psutil
@@ -152,4 +174,25 @@ class Utilisation(Ticker):
 
     def summary(self) -> dict:
         avg = lambda xs: round(sum(xs) / len(xs), 1) if xs else None  # noqa: E731
-        return {"cpu_pct": avg(self.cpu), "gpu_pct": avg(self.gpu)}
+        return {"cpu_pct": avg(self.cpu), "gpu_pct": avg(self.gpu),
+                "others_cpu_pct": round(100 * getattr(self, "others", 0.0), 1)}
+
+
+def _busy_seconds() -> float:
+    """CPU seconds the whole machine has been busy (all cores)."""
+    import psutil
+
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+
+def _own_seconds() -> float:
+    """CPU seconds of this process and its live children (loader workers): ours, not other work's."""
+    import psutil
+
+    me = psutil.Process()
+    total = sum(me.cpu_times()[:4])  # with children that ended (reaped): theirs too
+    for child in me.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            total += sum(child.cpu_times()[:2])
+    return total

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tqdm import tqdm
@@ -18,13 +18,15 @@ from fastpipe import __version__
 from fastpipe.convert import images, outputs, plan, previews, publish
 from fastpipe.convert.journal import Journal, SplitProgress, journal_name
 from fastpipe.convert.sources import Rejection, discover
+from fastpipe.convert.summary import Summary
 from fastpipe.convert.workers import Workers
 from fastpipe.convert.writer import ShardWriter
 from fastpipe.errors import ConfigError
 from fastpipe.manifest import Components, Manifest, SplitInfo, Stats
-from fastpipe.options import opt, parse_procs, parse_size
+from fastpipe.options import SEED_MAX, check, opt, parse_procs, parse_size
 from fastpipe.shardformat import encode_label
 from fastpipe.storage import is_url
+from fastpipe.urls import check_location
 from fastpipe.util import (
     FileTooLarge,
     FolderLock,
@@ -47,19 +49,21 @@ class ConvertError(ConfigError):
 class ShardConfig:
     src: Path = opt(None, "folder of class folders (optionally train/ and val/), or a CSV/TXT list", positional=True)
     out: Path = opt(None, "output folder, or a URL to upload to (s3://bucket/prefix, gs://, az://)", positional=True)
-    short_side: int = opt(320, "stored shorter side in pixels, never upscaled")
-    quality: int = opt(90, "JPEG quality of the stored images")
-    val_fraction: float = opt(0.1, "stratified validation share (ignored when SRC has train/ and val/ folders)")
-    seed: int = opt(0, "seed for split and shuffle")
-    max_shard_size: int = opt(256 * 1024**2, "shard size limit, e.g. 256MB, 64MB", parse=parse_size)
-    max_pixels: int = opt(200_000_000, "refuse larger images (decompression-bomb guard)")
-    max_file_size: int = opt(1024**3, "refuse larger files, e.g. 1GB", parse=parse_size)
+    short_side: int = opt(320, "stored shorter side in pixels, never upscaled", low=8, high=65535)
+    quality: int = opt(90, "JPEG quality of the stored images", low=1, high=100)
+    val_fraction: float = opt(0.1, "stratified validation share (ignored when SRC has train/ and val/ folders)",
+                              low=0, below=1)
+    seed: int = opt(0, "seed for split and shuffle", low=0, high=SEED_MAX)
+    max_shard_size: int = opt(256 * 1024**2, "shard size limit, e.g. 256MB, 64MB", parse=parse_size, low=64 * 1024,
+                               high=1024**4)
+    max_pixels: int = opt(200_000_000, "refuse larger images (decompression-bomb guard)", low=1)
+    max_file_size: int = opt(1024**3, "refuse larger files, e.g. 1GB", parse=parse_size, low=1)
     workers: int | None = opt(None, "processes: a number (0 = in this process) or auto (every core)",
-                              parse=parse_procs)
+                              parse=parse_procs, low=0, high=1024)
     overwrite: bool = opt(False, "replace a conversion made with other settings (removes only files fastpipe "
                                  "wrote)")
-    part: int = opt(0, "this part's number, for cluster array jobs")
-    parts: int = opt(1, "number of independent parts (then: fastpipe merge)")
+    part: int = opt(0, "this part's number, for cluster array jobs", low=0)
+    parts: int = opt(1, "number of independent parts (then: fastpipe merge)", low=1, high=100_000)
 
     def settings(self) -> dict:
         """Everything that changes the output bytes (workers and overwrite don't)."""
@@ -74,21 +78,14 @@ class ShardConfig:
     def __post_init__(self):
         # Paths given as text (the API, the CLI) become Paths; a URL is refused here, before anything is created.
         object.__setattr__(self, "src", local_path(self.src, "SRC"))
-        object.__setattr__(self, "out", self.out if is_url(self.out) else local_path(self.out, "OUT"))
+        object.__setattr__(self, "out", check_location(self.out, "OUT") if is_url(self.out) else
+                           local_path(self.out, "OUT"))
+        check(self)
 
     def validate(self) -> None:
-        if not 0 <= self.val_fraction < 1:
-            raise ConvertError(f"--val-fraction {self.val_fraction}: must be in [0, 1)")
-        if not 1 <= self.quality <= 100:
-            raise ConvertError(f"--quality {self.quality}: must be 1..100")
-        if self.short_side < 8:
-            raise ConvertError(f"--short-side {self.short_side}: must be at least 8 pixels")
-        if not 0 <= self.part < self.parts:
+        """What one setting's range cannot say (each setting's own range is checked when the config is built)."""
+        if not self.part < self.parts:
             raise ConvertError(f"--part {self.part} --parts {self.parts}: need 0 <= part < parts")
-        if self.max_shard_size < 64 * 1024:
-            raise ConvertError(f"--max-shard-size {self.max_shard_size}: use at least 64KB")
-        if self.workers is not None and self.workers < 0:
-            raise ConvertError(f"--workers {self.workers}: use 0 (this process) or more")
 
     @property
     def suffix(self) -> str:
@@ -97,34 +94,6 @@ class ShardConfig:
     @property
     def prefixes(self) -> list[str]:
         return [n if self.parts == 1 else f"{n}-{self.part:03d}" for n in SPLITS]
-
-
-@dataclass
-class Summary:
-    out: Path
-    discovered: int = 0
-    written: dict[str, int] = field(default_factory=dict)
-    rejected: Counter = field(default_factory=Counter)
-    seconds: float = 0.0
-    converted_now: int = 0
-    up_to_date: bool = False
-    ignored: int = 0
-    notes: list[str] = field(default_factory=list)
-    phases: dict[str, float] = field(default_factory=dict)  # seconds: start (pool), hash, convert, finish
-
-    def lines(self) -> list[str]:
-        rate = self.converted_now / self.seconds if self.seconds else 0.0
-        out = [f"discovered {self.discovered} files -> written "
-               + ", ".join(f"{k} {v}" for k, v in self.written.items())
-               + f", rejected {sum(self.rejected.values())}"
-               + (f" ({self.ignored} hidden/system files ignored)" if self.ignored else "")]
-        out += [f"  rejected {n:>5}  {reason}" for reason, n in sorted(self.rejected.items())]
-        out += [f"note: {n}" for n in self.notes]
-        if self.up_to_date:
-            out.append(f"{self.out} is already complete for these settings: nothing to do")
-        else:
-            out.append(f"{self.converted_now} images converted in {self.seconds:.1f} s ({rate:.1f} img/s)")
-        return out
 
 
 # -- worker side -------------------------------------------------------------------------------------
@@ -183,11 +152,14 @@ class _SplitRun:
         self.progress.add(entry)
         self._reset_pending(len(self.counts))
 
-    def add(self, result, classes) -> None:
+    def add(self, result, classes, summary: Summary) -> None:
         sample = self.samples[self.pos]
         if isinstance(result, images.Rejected):
             self.rejected.append({"path": sample.path, "reason": result.reason, "detail": result.detail})
         else:
+            summary.written_now += 1
+            if result.mode != "RGB":
+                summary.modes[result.mode] += 1
             self.writer.write(f"{sample.pos:08d}", _sample_parts(result, sample, classes))
             self.stats = self.stats + Stats(result.size[0] * result.size[1], result.pixel_sum, result.pixel_sumsq)
             for k in sample.label if isinstance(sample.label, tuple) else (sample.label,):
@@ -229,14 +201,14 @@ def _is_hex(text: str) -> bool:
     return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
 
 
-def _convert_split(name, samples, root: Path, run: _SplitRun, classes, pool) -> int:
+def _convert_split(name, samples, root: Path, run: _SplitRun, classes, pool, summary: Summary) -> int:
     todo = samples[run.pos:]
     paths = [str(root / s.path) for s in todo]
     # 4 a task: fewer messages per image; more would leave one worker idle longer at the end
     results = pool.imap(_convert_one, paths, chunksize=4) if pool else map(_convert_one, paths)
     try:
         for result in tqdm(results, total=len(todo), desc=f"converting {name}", unit="img", mininterval=0.5):
-            run.add(result, classes)
+            run.add(result, classes, summary)
     except BaseException:
         run.writer.abort()  # no half shard under a final name; the journal keeps the finished ones
         raise
@@ -332,7 +304,8 @@ def _run(cfg: ShardConfig, source, summary: Summary, start: float) -> None:
             p = progress.setdefault(name, SplitProgress())
             if not p.done:
                 run = _SplitRun(name, mine[name], cfg, journal, p, len(source.classes))
-                summary.converted_now += _convert_split(name, mine[name], source.root, run, source.classes, pool)
+                summary.converted_now += _convert_split(name, mine[name], source.root, run, source.classes, pool,
+                                                        summary)
         clock.lap("convert")
         # Refusals found before any decoding are recorded once, by part 0, for a cluster job.
         early_all = list(source.rejections) + early + duplicates if cfg.part == 0 else []

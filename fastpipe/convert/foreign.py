@@ -22,7 +22,7 @@ from tqdm import tqdm
 from fastpipe.convert import outputs, previews
 from fastpipe.errors import ConfigError, DataError
 from fastpipe.manifest import MANIFEST_NAME, Components, Manifest, ShardInfo, SplitInfo, Stats, save
-from fastpipe.options import opt
+from fastpipe.options import check, opt
 from fastpipe.shardformat import (
     IMAGE_EXTS,
     LABEL_EXTS,
@@ -48,9 +48,12 @@ class IndexConfig:
     out: Path | None = opt(None, "folder for dataset.json, holding the shards (default: the shards' folder)")
     val: list[Path] = opt([], "validation shard files", nargs="*")
     classes_file: str | None = opt(None, "text file of class names, one per line, in label order", flag="--classes")
-    stats_samples: int = opt(2000, "train images decoded for mean/std")
+    stats_samples: int = opt(2000, "train images decoded for mean/std", low=1, high=10_000_000)
     idx_only: bool = opt(False, "write the .idx files only (a missing or damaged index); no manifest is touched")
     overwrite: bool = opt(False, "replace an existing dataset.json in the folder")
+
+    def __post_init__(self):
+        check(self)
 
 
 @dataclass
@@ -144,6 +147,8 @@ def _index_split(paths: list[Path], out: Path, keep: int, scan: _Scan, limit: in
     shards = []
     for tar in tqdm(paths, desc="indexing", unit="shard", leave=False):
         lines = _scan(tar, keep, scan, limit)
+        if not lines:  # a manifest listing it would be refused by every loader: say so now, naming the file
+            raise DataError(f"{tar} holds no samples (an empty or image-less tar): leave it out of the command")
         idx = index_path_for(tar)
         write_index(idx, lines)
         shards.append(ShardInfo(_inside(tar, out), len(lines), tar.stat().st_size, sha256_file(tar),

@@ -29,6 +29,7 @@ REASONS = (
     "missing",  # a list row names a file that does not exist
     "outside-root",  # a list row's path escapes the list's folder
     "bad-row",  # a list row without a path and a label
+    "bad-label",  # a list row whose label is not one (a 0/1 cell that is 2 or 'yes', a line break, a whole document)
     "duplicate",  # same bytes as another file of the same class: one copy is kept
     "label-conflict",  # same bytes under two different labels: all copies rejected
 )
@@ -40,7 +41,8 @@ class ImageSettings:
     quality: int = 90
     max_pixels: int = 200_000_000
     # DCT-scale JPEGs down to at least this multiple of the target, then Lanczos. Measured on demo photos
-    # (3264x2448 -> 427x320): gap 1 is 35 % faster than gap 2 and within 0.1 dB PSNR of a full decode.
+    # (3264x2448 -> 427x320): gap 1 converts 1.56x as fast as gap 2, within 0.15 dB PSNR of a full decode
+    # (benchmarks/bench_convert.py, docs/results/convert.json).
     draft_gap: float = 1.0
 
 
@@ -51,6 +53,7 @@ class Encoded:
     orig_size: tuple[int, int]  # (w, h) as the photo is meant to be seen (after EXIF rotation)
     pixel_sum: tuple[float, float, float]  # per channel, 0..1 scale, for the data set's mean/std
     pixel_sumsq: tuple[float, float, float]
+    mode: str = "RGB"  # the file's own colour mode (L, RGBA, P, CMYK, I;16...): what was converted to RGB
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,8 @@ def _open_checked(data: bytes, settings: ImageSettings) -> Image.Image | Rejecte
         return Rejected("not-an-image", "no known image format")
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         return Rejected("too-large", str(e))
+    except (OSError, SyntaxError, ValueError, IndexError, EOFError) as e:  # cut or damaged inside its header
+        return _classify_decode_error(e)
     w, h = im.size
     if w * h > settings.max_pixels:
         return Rejected("too-large", f"{w}x{h} = {w * h} pixels > --max-pixels {settings.max_pixels}")
@@ -133,7 +138,7 @@ def process(data: bytes, settings: ImageSettings) -> Encoded | Rejected:
     opened = _open_checked(data, settings)
     if isinstance(opened, Rejected):
         return opened
-    orig = opened.size
+    orig, mode = opened.size, opened.mode
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # EXIF/ICC chatter on real camera files is not actionable
@@ -147,7 +152,8 @@ def process(data: bytes, settings: ImageSettings) -> Encoded | Rejected:
     buf = io.BytesIO()
     im.save(buf, "JPEG", quality=settings.quality, optimize=False, subsampling="4:2:0")
     pixel_sum, pixel_sumsq = channel_sums(im)
-    return Encoded(jpeg=buf.getvalue(), size=im.size, orig_size=orig, pixel_sum=pixel_sum, pixel_sumsq=pixel_sumsq)
+    return Encoded(jpeg=buf.getvalue(), size=im.size, orig_size=orig, pixel_sum=pixel_sum, pixel_sumsq=pixel_sumsq,
+                   mode=mode)
 
 
 _LEVELS = np.arange(256, dtype=np.float64) / 255.0
@@ -155,7 +161,7 @@ _LEVELS = np.arange(256, dtype=np.float64) / 255.0
 
 def channel_sums(im: Image.Image) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Per-channel sum and sum of squares of an RGB image's pixels on the 0..1 scale, from its histogram: exact
-    (integer counts times levels), and a small fraction of the cost of summing a float copy of the pixels (1.7 % of
-    an image's conversion time against the 15-19 % measured before: benchmarks/bench_peers.py)."""
+    (integer counts times levels), and a small fraction of the cost of summing a float copy of the pixels (about
+    1.7 % of an image's conversion time against 15-19 % for the float copy: benchmarks/bench_peers.py)."""
     h = np.asarray(im.histogram(), dtype=np.float64).reshape(3, 256)
     return tuple(map(float, h @ _LEVELS)), tuple(map(float, h @ np.square(_LEVELS)))

@@ -77,7 +77,8 @@ def merge_in(out: Path, read, where: str | None = None) -> Manifest:
     if all("preview_candidates" in m.outputs for m in parts):
         picked = previews.from_candidates([_candidates(m) for m in parts], manifest.classes, seed)
         names = previews.draw(picked, manifest.classes, out / "previews", read)
-    else:  # parts written before parts recorded candidates: every label read again (local folders only)
+    else:  # parts written by an older fastpipe, which recorded no preview candidates: every label read again
+        # (local folders only)
         names = previews.contact_sheets(manifest, out / "previews", seed=seed)
     manifest.outputs["previews"] = {c: f"previews/{f}" for c, f in names.items()}
     save(manifest, out)  # last: the merge is complete only when every output is

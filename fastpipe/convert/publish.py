@@ -28,6 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from fastpipe.cache import default_cache_dir
+from fastpipe.cachefiles import private_folder
 from fastpipe.convert.journal import journal_name, journal_shards
 from fastpipe.errors import ConfigError
 from fastpipe.manifest import MANIFEST_NAME, load
@@ -36,7 +37,9 @@ from fastpipe.util import Ticker
 
 
 def staging_folder(url: str) -> Path:
-    return default_cache_dir().parent / "staging" / hashlib.sha256(url.encode()).hexdigest()[:16]
+    """Where a conversion into a store is written first: below a folder private to this user (the converter writes
+    and later uploads what is there)."""
+    return private_folder(default_cache_dir().parent / "staging") / hashlib.sha256(url.encode()).hexdigest()[:16]
 
 
 def shard_to_url(cfg, shard, storage_options: dict | None = None):
@@ -44,6 +47,7 @@ def shard_to_url(cfg, shard, storage_options: dict | None = None):
     mirroring progress into the store; upload the rest, dataset.json last; delete the staging folder."""
     url = str(cfg.out).rstrip("/")
     remote = Remote(url, storage_options)
+    remote.check_writable()  # before converting: a missing bucket or credentials are said now, not after the work
     staging = staging_folder(url + cfg.suffix)  # the parts of a cluster job may share a node
     name = journal_name(cfg.suffix)
     restored = _restore(staging, remote, name)

@@ -8,6 +8,7 @@ silently: a file is an item, a rejection, or counted as ignored (hidden and syst
 from __future__ import annotations
 
 import csv
+import io
 import os
 import re
 import stat
@@ -200,7 +201,9 @@ def _is_header(row: list[str], root: Path) -> bool:
 
 
 def _read_rows(path: Path) -> tuple[list[tuple[int, list[str]]], list[str] | None]:
-    """(line number, cells) of every non-empty row, and the header's cells when the first row is one."""
+    """(line number, cells) of every non-empty row, and the header's cells when the first row is one. A quoted
+    cell may hold a line break (the row is then one row, and its label is refused later, not cut in two); a
+    table that csv cannot read (a cell over csv's limit, an unclosed quote) is refused naming the line."""
     try:
         text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
@@ -209,14 +212,23 @@ def _read_rows(path: Path) -> tuple[list[tuple[int, list[str]]], list[str] | Non
         dialect = csv.Sniffer().sniff(text[:4096], delimiters=",\t;")
     except csv.Error:
         dialect = csv.excel
-    rows = [(n, r) for n, r in enumerate(csv.reader(text.splitlines(), dialect), start=1)
-            if any(c.strip() for c in r)]
+    reader = csv.reader(io.StringIO(text, newline=""), dialect)
+    rows = []
+    try:
+        for r in reader:
+            if any(c.strip() for c in r):
+                rows.append((reader.line_num, r))
+    except csv.Error as e:
+        raise DataError(f"{path}, line {reader.line_num}: not a readable CSV row ({e}): a path,label list has short "
+                        f"cells; fix or remove that line") from None
     if rows and _is_header(rows[0][1], path.parent):
         return rows[1:], [c.strip() for c in rows[0][1]]
     return rows, None
 
 
 _SET_SEPARATORS = re.compile(r"[;|]")
+SET_HEADERS = {"labels", "tags", "label_set", "label_list"}  # a column of label sets, named so
+MAX_LABEL = 1024  # characters: a longer "label" is damage (a cell of a whole document), not a class name
 
 
 def _label_set(text: str) -> str:
@@ -224,18 +236,42 @@ def _label_set(text: str) -> str:
     return ";".join(sorted({p.strip() for p in _SET_SEPARATORS.split(text) if p.strip()}))
 
 
-def _multi_hot_columns(header: list[str] | None, rows) -> list[str] | None:
-    """The class names when the list has one 0/1 column per class after the path (a header names them)."""
+def _binary_table(header: list[str] | None, rows) -> bool:
+    """A header of a path and 2+ class columns, whose cells are mostly 0/1: one 0/1 column per class (a cell
+    that is neither is that row's problem, not a reason to read the table another way)."""
     if not header or len(header) < 3:
-        return None
-    values = {c.strip() for _, r in rows for c in r[1:]}
-    return header[1:] if values <= {"0", "1", ""} else None
+        return False
+    cells = [c.strip() for _, r in rows for c in r[1:] if c.strip()]
+    return bool(cells) and sum(c in ("0", "1") for c in cells) >= 0.9 * len(cells)
+
+
+def _list_mode(path: Path, header: list[str] | None, rows) -> tuple[str, str]:
+    """("columns" | "sets" | "single", why) for the summary: how the list is read, and what decided it."""
+    if _binary_table(header, rows):
+        names = header[1:]
+        bad = sorted({n for n in names if not n} | {n for n in names if names.count(n) > 1})
+        if bad or len(names) != len(set(names)):
+            raise DataError(f"{path}: the header of a 0/1 table names each class column once, with a name (empty or "
+                            f"repeated: {', '.join(repr(n) for n in bad)}); fix the header row")
+        return "columns", f"one 0/1 column per class ({len(names)} columns named by the header)"
+    if header and len(header) > 1 and header[1].lower() in SET_HEADERS:
+        return "sets", f"the header names the label column {header[1]!r}"
+    first = next((n for n, r in rows if len(r) > 1 and _SET_SEPARATORS.search(r[1])), None)
+    if first is not None:
+        return "sets", f"line {first} holds a label set (labels joined by ';' or '|')"
+    return "single", "one label per row (a label set would be 'a;b', or a header naming the column 'labels')"
 
 
 def _check_row(root: Path, row: list[str], lineno: int, multilabel: bool = False) -> Item | Rejection:
     if len(row) < 2 or not row[0].strip() or (not row[1].strip() and not multilabel):
-        return Rejection(f"<line {lineno}>", "bad-row", f"expected 'path,label', got {row!r}")
-    raw, label = row[0].strip(), _label_set(row[1]) if multilabel else row[1].strip()
+        return Rejection(f"<line {lineno}>", "bad-row", f"expected 'path,label', got {row!r}"[:300])
+    raw = row[0].strip()
+    labels = [p.strip() for p in _SET_SEPARATORS.split(row[1])] if multilabel else [row[1].strip()]
+    odd = next((x for x in labels if len(x) > MAX_LABEL or any(ord(c) < 32 for c in x)), None)
+    if odd is not None:
+        what = "a line break or control character" if len(odd) <= MAX_LABEL else f"{len(odd)} characters"
+        return Rejection(raw[:300], "bad-label", f"line {lineno}: a label holds {what}: {odd[:60]!r}")
+    label = _label_set(row[1]) if multilabel else labels[0]
     full = Path(raw) if os.path.isabs(raw) else root / raw
     try:
         rel = full.resolve().relative_to(root.resolve())
@@ -250,31 +286,50 @@ def _check_row(root: Path, row: list[str], lineno: int, multilabel: bool = False
     return Item(rel.as_posix(), label, None)
 
 
-def _as_label_sets(rows, columns: list[str]):
-    """Multi-hot rows (path, 0/1 per class) → (path, 'a;b') rows."""
-    return [(n, [r[0], ";".join(c for c, v in zip(columns, r[1:]) if v.strip() == "1")]) for n, r in rows]
+def _as_label_sets(rows, columns: list[str]) -> tuple[list, list[Rejection]]:
+    """Multi-hot rows (path, 0/1 per class) → (path, 'a;b') rows; a row with a cell that is neither 0 nor 1 (or
+    empty), or with another number of cells than the header, is rejected naming the line and the column."""
+    out, bad = [], []
+    for n, r in rows:
+        cells = [c.strip() for c in r[1:]]
+        wrong = next(((columns[k] if k < len(columns) else f"#{k + 2}", c) for k, c in enumerate(cells)
+                      if c not in ("0", "1", "")), None)
+        if wrong is None and len(cells) != len(columns):
+            wrong = ("", f"{len(cells)} cells for {len(columns)} columns")
+        if wrong is not None:
+            bad.append(Rejection(r[0].strip()[:300] or f"<line {n}>", "bad-label",
+                                 f"line {n}, column {wrong[0]!r}: {wrong[1][:60]!r} is not 0 or 1"))
+            continue
+        out.append((n, [r[0], ";".join(c for c, v in zip(columns, cells) if v == "1")]))
+    return out, bad
 
 
 def from_list(list_file: Path) -> Source:
     """A CSV/TXT of path,label rows (header optional); paths relative to the list's own folder.
 
-    Multi-label lists: a label set per row (`path,"rust;scab"`, ';' or '|' between labels, empty for none), or
-    one 0/1 column per class after the path, named by a header (`path,rust,scab`)."""
+    Multi-label lists: a label set per row (`path,"rust;scab"`, ';' or '|' between labels, empty for none; a
+    header naming the column 'labels' makes every row a set, even when none holds two), or one 0/1 column per
+    class after the path, named by a header (`path,rust,scab`). The summary says which reading was chosen, and why."""
     root = list_file.parent
     rows, header = _read_rows(list_file)
-    columns = _multi_hot_columns(header, rows)
-    if columns:
-        rows = _as_label_sets(rows, columns)
-    multilabel = bool(columns) or any(len(r) > 1 and _SET_SEPARATORS.search(r[1]) for _, r in rows)
-    items, rejections = [], []
+    mode, why = _list_mode(list_file, header, rows)
+    rejections: list[Rejection] = []
+    if mode == "columns":
+        rows, rejections = _as_label_sets(rows, header[1:])
+    multilabel = mode != "single"
+    items = []
     for lineno, row in rows:
         checked = _check_row(root, row, lineno, multilabel)
         (items if isinstance(checked, Item) else rejections).append(checked)
     if not items:
-        raise DataError(f"{list_file}: no usable 'path,label' rows ({len(rejections)} rejected)")
+        raise DataError(f"{list_file}: no usable 'path,label' rows ({len(rejections)} rejected; read as "
+                        f"{'multi' if multilabel else 'single'}-label: {why})")
     names = {n for i in items for n in i.label.split(";") if n} if multilabel else {i.label for i in items}
-    classes = tuple(columns) if columns else class_order(names)
+    classes = tuple(header[1:]) if mode == "columns" else class_order(names)
     notes = ((f"header row skipped: {','.join(header)!r}",) if header else ()) + _numeric_note(classes)
+    notes += (f"read as a {'multi' if multilabel else 'single'}-label list: {why}",)
+    if mode == "single" and header and len(header) > 2:
+        notes += (f"columns after the label ignored: {', '.join(header[2:])}",)
     if multilabel:
         empty = sum(1 for i in items if not i.label)
         notes += (f"multi-label list: {len(classes)} labels, {empty} images with none",)

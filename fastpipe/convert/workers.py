@@ -41,8 +41,12 @@ class Workers:
 
         def submit() -> None:
             chunk = next(chunks, None)
-            if chunk is not None:
+            if chunk is None:
+                return
+            try:
                 pending.append((chunk, self.executor.submit(_each, fn, chunk)))
+            except BrokenProcessPool as e:  # a worker died before this chunk could be queued
+                raise WorkerDied(_died([c for c, _ in pending] + [chunk])) from e
 
         for _ in range(AHEAD * self.count):
             submit()

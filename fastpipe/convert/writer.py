@@ -1,7 +1,7 @@
 """Deterministic WebDataset shards with a DALI index beside each, written atomically.
 
 Why not webdataset's TarWriter: we need each member's data offset for the `.idx` file, and USTAR headers
-with mtime 0 make shards byte-identical across runs and ~2x cheaper to read than PAX headers (DESIGN.md).
+with mtime 0 make shards byte-identical across runs and ~2x cheaper to read than PAX headers (docs/design.md).
 """
 
 from __future__ import annotations

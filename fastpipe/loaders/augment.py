@@ -24,6 +24,7 @@ import torch
 
 from fastpipe.errors import ConfigError
 from fastpipe.loaders import imageops as ops
+from fastpipe.options import check_number
 
 FORMS = {"randaug": "randaug:N:M", "trivialaug": "trivialaug", "jitter": "jitter:B:C:S[:H]", "erase": "erase:P",
          "mixup": "mixup:A[:P]", "cutmix": "cutmix:A[:P]"}
@@ -49,20 +50,36 @@ class AugmentSpec:
         return bool(self.randaug or self.trivialaug or self.jitter)
 
 
+# Each form's arguments: (name, int or float, low, high); the optional ones last. Ranges are those of the
+# references (torchvision's RandAugment magnitudes 0..30, ColorJitter's hue <= 0.5, probabilities 0..1); N and alpha
+# are capped where more is no longer a different augmentation but a batch that never finishes.
+ARGS = {"randaug": (("N", int, 1, 16), ("M", int, 0, 30)), "trivialaug": (),
+        "jitter": (("brightness", float, 0, 1), ("contrast", float, 0, 1), ("saturation", float, 0, 1),
+                   ("hue", float, 0, 0.5)),
+        "erase": (("P", float, 0, 1),), "mixup": (("A", float, 0, 100), ("P", float, 0, 1)),
+        "cutmix": (("A", float, 0, 100), ("P", float, 0, 1))}
+REQUIRED = {"randaug": 2, "trivialaug": 0, "jitter": 3, "erase": 1, "mixup": 1, "cutmix": 1}
+
+
 def _numbers(part: str, name: str, args: list[str]) -> list[float]:
-    counts = {"randaug": (2,), "trivialaug": (0,), "jitter": (3, 4), "erase": (1,), "mixup": (1, 2),
-              "cutmix": (1, 2)}[name]
-    try:
-        values = [float(a) for a in args]
-    except ValueError:
-        values = None
-    if values is None or len(values) not in counts or any(v < 0 for v in values):
-        raise ConfigError(f"augment {part!r}: use {FORMS[name]} with non-negative numbers")
+    """The arguments of one form, each checked against its type and range (NaN and infinity refused)."""
+    specs = ARGS[name]
+    if not REQUIRED[name] <= len(args) <= len(specs):
+        raise ConfigError(f"augment {part!r}: use {FORMS[name]}")
+    values = []
+    for text, (what, kind, low, high) in zip(args, specs):
+        try:
+            value = kind(text) if kind is int else float(text)
+        except ValueError:
+            raise ConfigError(f"augment {part!r}: {what} {text!r} is not {'an integer' if kind is int else 'a number'}"
+                              f" (use {FORMS[name]})") from None
+        values.append(check_number(f"augment {part!r}: {what}", value, kind, low, high))
     return values
 
 
 def parse(text: str | None) -> AugmentSpec:
-    """'randaug:2:9,mixup:0.2' → AugmentSpec; an unknown name or a wrong value is refused with the valid forms."""
+    """'randaug:2:9,mixup:0.2' → AugmentSpec; an unknown name or a value outside its range is refused with the
+    valid forms."""
     d: dict = {}
     for part in filter(None, (p.strip() for p in (text or "").split(","))):
         name, *args = part.split(":")
@@ -70,11 +87,7 @@ def parse(text: str | None) -> AugmentSpec:
             raise ConfigError(f"augment {name!r} is not known: use {', '.join(FORMS.values())} "
                               f"(e.g. randaug:2:9,mixup:0.2)")
         d[name] = _numbers(part, name, args)
-    if "randaug" in d and not (d["randaug"][0] >= 1 and d["randaug"][1] <= 30):
-        raise ConfigError(f"augment randaug: need N >= 1 ops and a magnitude M within 0..30 (got {d['randaug']})")
     mix = {k: (d[k][0], d[k][1] if len(d[k]) > 1 else 1.0) for k in ("mixup", "cutmix") if k in d}
-    if any(p > 1 for p in [d.get("erase", [0])[0], *(m[1] for m in mix.values())]):
-        raise ConfigError("augment: probabilities (erase:P, mixup:A:P, cutmix:A:P) must be within 0..1")
     j = d.get("jitter")
     return AugmentSpec(randaug=(int(d["randaug"][0]), int(d["randaug"][1])) if "randaug" in d else None,
                        trivialaug="trivialaug" in d, jitter=(*j, 0.0)[:4] if j else None,

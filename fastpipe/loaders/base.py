@@ -21,11 +21,14 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from fastpipe.errors import ConfigError, DataError
+from fastpipe.errors import ConfigError, DataError, FastpipeWarning
 from fastpipe.loaders.batch import HostBatch, SampleKey
 from fastpipe.loaders.config import LoaderConfig
 from fastpipe.loaders.epoch import batches_per_epoch
 from fastpipe.manifest import Manifest
+from fastpipe.options import check_number
+
+MAX_EPOCH = 1_000_000  # a loader state's epoch beyond this is damage, not a long run
 
 
 @dataclass
@@ -103,7 +106,23 @@ def _warn_upscaling(manifest: Manifest, cfg: LoaderConfig) -> None:
     if stored and cfg.image_size > stored:
         warnings.warn(f"image_size {cfg.image_size} is larger than the stored short side ({stored} px): every "
                       f"image is upscaled, which adds no detail. Use image_size <= {stored}, or re-shard with "
-                      f"--short-side {int(cfg.image_size * 1.15)}", stacklevel=4)
+                      f"--short-side {int(cfg.image_size * 1.15)}", FastpipeWarning, stacklevel=4)
+
+
+def _refuse_what_cannot_fit(cfg: LoaderConfig, device: torch.device) -> None:
+    """One batch as it reaches the model (float32) must fit the device's memory, or the run would fail after its
+    start-up (or swap a CPU machine to a standstill): refused before anything is built."""
+    need = cfg.batch_size * 3 * cfg.image_size**2 * (4 + 1)  # the float batch and the uint8 one it comes from
+    if device.type == "cuda":
+        have, where = torch.cuda.get_device_properties(device).total_memory, f"{device} has"
+    else:
+        import psutil
+
+        have, where = psutil.virtual_memory().available, "this machine has"
+    if need > have:
+        raise ConfigError(f"batch_size {cfg.batch_size} at image_size {cfg.image_size} needs {need / 2**30:,.1f} GB "
+                          f"for one batch of images alone; {where} {have / 2**30:,.1f} GB. Use a smaller image size "
+                          f"or batch (with --accum-steps to keep the effective batch)")
 
 
 class Loader:
@@ -128,6 +147,7 @@ class Loader:
         self.step = DeviceStep(self.device, manifest.mean, manifest.std, self.cfg.normalize, self._augment(manifest))
         self._start = self._batch_index = 0  # where this iteration started; batches moved since (augmentation keys)
         self.shards = None  # the backends that read shards set a ShardSet (keys, sources)
+        _refuse_what_cannot_fit(self.cfg, self.device)
         if self.name != "synthetic":
             _warn_upscaling(manifest, self.cfg)
 
@@ -180,15 +200,21 @@ class Loader:
         return {"epoch": self.epoch, "position": self.position, **self._identity()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue exactly where `state` was taken (also with another world size, worker count or batch size)."""
+        """Continue exactly where `state` was taken (also with another world size, worker count or batch size).
+        A state that is not one (a missing key, an epoch of 1.7, NaN or 10**30) is refused naming the field."""
+        if not isinstance(state, dict):
+            raise ConfigError(f"loader state: expected the dict that state_dict() returns, got {type(state).__name__}")
+        missing = [k for k in ("epoch", "position", *self._identity()) if k not in state]
+        if missing:
+            raise ConfigError(f"loader state: no {', '.join(missing)} (not a state_dict() of a fastpipe loader)")
+        epoch = check_number("loader state epoch", state["epoch"], int, 0, MAX_EPOCH)
+        position = check_number("loader state position", state["position"], int, 0, self.samples)
         mine = self._identity()
         differ = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
         if differ:
             what = ", ".join(f"{k}: the state has {old!r}, this loader {new!r}" for k, (old, new) in differ.items())
             raise ConfigError(f"this loader state belongs to another data set or settings ({what})")
-        if not isinstance(state.get("position"), int) or not 0 <= state["position"] <= self.samples:
-            raise ConfigError(f"loader state position {state.get('position')!r} is outside 0..{self.samples}")
-        self.epoch, self._resume, self._complete = int(state["epoch"]), state["position"], False
+        self.epoch, self._resume, self._complete = epoch, position, False
 
     # -- backend hooks ----------------------------------------------------------------------------------------
     def _host_batches(self) -> Iterator[HostBatch]:
@@ -226,7 +252,7 @@ class Loader:
         x, y = self._to_device(batch)  # may find more undecodable samples (nvjpeg)
         x, y = self.step.mix(x, y, host)
         for s in batch.skipped:
-            warnings.warn(f"skipping {s}", stacklevel=4)
+            warnings.warn(f"skipping {s}", FastpipeWarning, stacklevel=4)
         keys = self.keys(batch.ids) if self.cfg.with_keys else None
         if batch.io:
             self.stats.requests += batch.io[0]

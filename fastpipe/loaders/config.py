@@ -5,8 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fastpipe.errors import ConfigError
+from fastpipe.options import MAX_IMAGE_SIZE, SEED_MAX, check_number
 
 SPLITS = ("train", "val")
+# (setting, type, low, high, above, below) of each number a loader takes
+NUMBERS = (("batch_size", int, 1, 65536), ("image_size", int, 16, MAX_IMAGE_SIZE), ("seed", int, 0, SEED_MAX),
+           ("shuffle_buffer", int, 1, 10**9), ("prefetch_factor", int, 1, 64), ("min_scale", float, None, 1, 0),
+           ("val_crop", float, None, 1, 0), ("label_smoothing", float, 0, None, None, 1))
 ON_ERROR = ("skip", "raise")
 
 
@@ -17,8 +22,8 @@ class LoaderConfig:
     batch_size: int = 64
     image_size: int = 224
     device: str | None = None  # None: cuda when available, else cpu
-    # None: the cores per device less one (workers.heuristic_workers); "probe": measured once per machine and data
-    # set and cached (logged); 0: decode in the training process.
+    # None: the cores per device, less one when there are more than three, at most 16 (workers.heuristic_workers);
+    # "probe": measured once per machine and data set and cached (logged); 0: decode in the training process.
     num_workers: int | str | None = None
     rank: int | None = None  # None: from torch.distributed when initialised, else 0
     world_size: int | None = None
@@ -69,8 +74,8 @@ class LoaderConfig:
             jpegcrop.require()  # refused here, with the reason and the fix, not in a worker on the first sample
         if self.on_error not in ON_ERROR:
             raise ConfigError(f"on_error={self.on_error!r}: use one of {ON_ERROR}")
-        if self.batch_size < 1 or self.image_size < 8:
-            raise ConfigError(f"batch_size={self.batch_size}, image_size={self.image_size}: need >= 1 and >= 8")
+        for name, kind, *limits in NUMBERS:  # type, NaN/inf and range, as options.check does for the CLI's configs
+            check_number(name, getattr(self, name), kind, *limits)
         if self.world_size is not None and not 0 <= (self.rank or 0) < self.world_size:
             raise ConfigError(f"rank={self.rank} with world_size={self.world_size}: need 0 <= rank < world_size")
         if self.reuse_output:

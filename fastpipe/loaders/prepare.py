@@ -63,26 +63,45 @@ class CpuDecode(_Prepare):
         self.buffers = buffers
 
     def __call__(self, raw: RawBatch, positions, epoch: int) -> HostBatch:
-        cfg, n = self.cfg, len(raw)
+        n = len(raw)
         buffer, slot = self.buffers.take()
         pixels = buffer.numpy()  # one view per batch: a tensor index + .numpy() per image showed in the profile
         good, skipped = [], []
         for i, (image, rng) in enumerate(zip(raw.images, self.rngs(epoch, positions))):
-            out = pixels[i]  # decoded straight into the batch
             try:
-                if self.train:
-                    cpu_ops.decode_train(image, cfg.image_size, rng, cfg.min_scale, cfg.cpu_decoder, out)
-                else:
-                    cpu_ops.decode_val(image, cfg.image_size, cfg.val_crop, cfg.cpu_decoder, out)
+                self._decode(image, rng, pixels[i])  # decoded straight into the batch
                 good.append(i)
             except Exception as e:  # any decoder failure is this sample's problem, reported with its key
-                self._bad(raw, i, e, skipped)
+                if self._refetched(raw, i, positions, epoch, pixels[i], e, skipped):
+                    good.append(i)
         pick = self._fill(good, n, skipped[-1] if skipped else "") if self.train else good
         if pick == list(range(n)):
             return HostBatch(raw.labels, torch.from_numpy(raw.ids), images=buffer[:n], skipped=skipped, slot=slot)
         buffer[: len(pick)] = buffer[pick].clone()
         return HostBatch(raw.labels[pick], torch.from_numpy(raw.ids[pick]), images=buffer[: len(pick)],
                          skipped=skipped, slot=slot)
+
+
+    def _refetched(self, raw: RawBatch, i: int, positions, epoch: int, out, error: Exception, skipped) -> bool:
+        """Remote data: a sample that does not decode is fetched once more from the store and decoded again with the
+        same draws (the node cache's copy may be what is damaged); True when that worked, else it is bad."""
+        again = raw.shards.refetch(int(raw.ids[i]))
+        if again is not None:
+            try:
+                self._decode(again[0], self.rngs(epoch, positions[i : i + 1])[0], out)
+                raw.labels[i] = again[1]
+                return True
+            except Exception as e:
+                error = e
+        self._bad(raw, i, error, skipped)
+        return False
+
+    def _decode(self, image, rng, out) -> None:
+        cfg = self.cfg
+        if self.train:
+            cpu_ops.decode_train(image, cfg.image_size, rng, cfg.min_scale, cfg.cpu_decoder, out)
+        else:
+            cpu_ops.decode_val(image, cfg.image_size, cfg.val_crop, cfg.cpu_decoder, out)
 
 
 class EncodedBytes(_Prepare):

@@ -219,6 +219,19 @@ class ShardSet:
                 self._views.pop(s, None)
                 self._arrays.pop(s, None)
 
+    def refetch(self, i: int) -> tuple[memoryview, torch.Tensor] | None:
+        """Remote data: sample i fetched again from the store, (its image, its label row); None for local data,
+        where there is nothing to fetch. A cached copy that does not decode is fetched once more before the sample
+        is called bad: the damage may be the cache's, and then its label bytes are suspect too."""
+        if self.cache is None:
+            return None
+        s = int(self.shard_of(i))
+        self.cache.forget(s, np.array([i - int(self.starts[s])]))
+        ids, shards = np.array([i]), np.array([s])
+        self.fetch(ids, shards)
+        label = self.labels(ids, shards, self.offsets[ids, 1], self.sizes[ids, 1])[0]
+        return self._view(s, int(self.offsets[i, 0]), int(self.sizes[i, 0])), label
+
     def where(self, shard: int) -> str:
         """The shard's path, or its URL for a data set in object storage (for messages)."""
         return self.remote.join(self.rel_path(shard)) if self.remote is not None else str(self.paths[shard])

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from fastpipe.errors import FastpipeError
+from fastpipe.errors import FastpipeError, FastpipeWarning
 from fastpipe.loaders import cpu_ops
 from fastpipe.loaders.base import Loader
 from fastpipe.loaders.batch import HostBatch
@@ -134,7 +134,7 @@ def _largest_window(shards: ShardSet, batch: int) -> int:
 
 def _worker_context():
     """fork (fast, the default) unless this process holds DALI: a forked copy of a DALI pipeline hangs in its
-    destructor when the child's garbage collector meets it (seen here). Then forkserver: workers fork from a
+    destructor when the child's garbage collector meets it (DALI 2.4). Then forkserver: workers fork from a
     clean server process that has imported this module once."""
     if "nvidia.dali" not in sys.modules:
         return None
@@ -143,6 +143,22 @@ def _worker_context():
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
     return ctx
+
+
+def _dead_workers_at_the_next_batch() -> None:
+    """PyTorch reports a dead worker from a SIGCHLD handler, which raises in whatever the main thread is doing at
+    that moment: a model's forward pass, an optimizer step half applied, a checkpoint being written. Its handler is
+    set once per process; put back the one it replaced, and a dead worker surfaces where it can be handled: in the
+    next batch request (the DataLoader checks its workers every few seconds while it waits for one)."""
+    import signal
+    import threading
+
+    handler = signal.getsignal(signal.SIGCHLD)
+    if threading.current_thread() is not threading.main_thread() or \
+            getattr(handler, "__qualname__", "") != "_set_SIGCHLD_handler.<locals>.handler":
+        return
+    replaced = next((c.cell_contents for c in handler.__closure__ or () if callable(c.cell_contents)), None)
+    signal.signal(signal.SIGCHLD, replaced or signal.SIG_DFL)
 
 
 def _worker_init(worker_id: int, main_pid: int) -> None:
@@ -229,7 +245,7 @@ class StreamLoader(Loader):
         workers, prefetch, note = fit_shared_memory(workers, self.batch_bytes(), self.cfg.prefetch_factor,
                                                     shm_free())
         if note:
-            warnings.warn(note, stacklevel=4)
+            warnings.warn(note, FastpipeWarning, stacklevel=4)
         return workers, prefetch
 
     def describe(self) -> dict:
@@ -238,4 +254,6 @@ class StreamLoader(Loader):
     def _host_batches(self):
         self.dataset.epoch[0] = self.epoch
         self.dataset.position[0] = self.position
-        return iter(self.dataloader)
+        it = iter(self.dataloader)
+        _dead_workers_at_the_next_batch()
+        return it

@@ -6,7 +6,8 @@ from dataclasses import dataclass, fields, replace
 
 from fastpipe.errors import ConfigError
 from fastpipe.loaders import BACKEND_NAMES
-from fastpipe.options import opt, parse_gb, parse_workers
+from fastpipe.options import MAX_IMAGE_SIZE, SEED_MAX, check, opt, parse_gb, parse_workers
+from fastpipe.urls import check_location
 
 AMP_MODES = ("fp16", "bf16", "off")
 OPTIMIZERS = ("sgd", "adamw")
@@ -22,56 +23,58 @@ class TrainConfig:
     model: str = opt("resnet18", "torchvision model name (resnet18/50, mobilenet_v3_large, efficientnet_b0, "
                                  "convnext_tiny, vit_b_16, ...)")
     backend: str = opt("torch", "loader backend", choices=BACKEND_NAMES)
-    epochs: int = opt(10, "epochs in the whole run")
-    batch_size: int = opt(64, "images per device and step (per micro-batch with --accum-steps)")
-    lr: float | None = opt(None, "learning rate (default: 0.1 x effective batch / 256 for SGD, 1e-3 for AdamW)")
+    epochs: int = opt(10, "epochs in the whole run", low=1, high=100_000)
+    batch_size: int = opt(64, "images per device and step (per micro-batch with --accum-steps)", low=1, high=65536)
+    lr: float | None = opt(None, "learning rate (default: 0.1 x effective batch / 256 for SGD, 1e-3 for AdamW)",
+                           above=0, high=100)
     optimizer: str = opt("sgd", "optimizer", choices=OPTIMIZERS)
-    momentum: float = opt(0.9, "SGD momentum")
+    momentum: float = opt(0.9, "SGD momentum", low=0, below=1)
     nesterov: bool = opt(True, "Nesterov momentum (SGD)")
-    weight_decay: float = opt(5e-5, "weight decay (not on norms and biases)")
-    warmup_epochs: float = opt(1.0, "linear warm-up epochs before the cosine decay")
-    label_smoothing: float = opt(0.1, "label smoothing of the cross-entropy loss (single-label data)")
+    weight_decay: float = opt(5e-5, "weight decay (not on norms and biases)", low=0, high=1)
+    warmup_epochs: float = opt(1.0, "linear warm-up epochs before the cosine decay", low=0, high=100_000)
+    label_smoothing: float = opt(0.1, "label smoothing of the cross-entropy loss (single-label data)", low=0,
+                                  below=1)
     augment: str | None = opt(None, "augmentation on the device, e.g. randaug:2:9,mixup:0.2,cutmix:1.0 (randaug:N:M, "
                                     "trivialaug, jitter:B:C:S[:H], erase:P, mixup:A[:P], cutmix:A[:P])")
-    image_size: int = opt(224, "training image size (pixels, square)")
+    image_size: int = opt(224, "training image size (pixels, square)", low=16, high=MAX_IMAGE_SIZE)
     progressive: str | None = opt(None, "START:END, e.g. 128:224: small images first, full size at the end")
     amp: str | None = opt(None, "mixed precision (default: fp16 + GradScaler on CUDA, off on a CPU)",
                           choices=AMP_MODES)
     accum_steps: int = opt(1, "gradient accumulation: optimizer step every N micro-batches, loss / N "
-                              "(BatchNorm still sees only the micro-batch)")
+                              "(BatchNorm still sees only the micro-batch)", low=1, high=4096)
     channels_last: bool | None = opt(None, "channels_last memory format (default: on CUDA)")
     checkpoint_activations: bool = opt(False, "recompute the deep stages' activations in the backward pass")
     compile: bool = opt(False, "torch.compile the model")
     device: str | None = opt(None, "cuda, cuda:1, cpu (default: cuda when available)")
     workers: int | str | None = opt(None, "loader workers: a number (0 = in this process), auto (cores per device "
-                                          "less one) or probe (measured once, cached)", parse=parse_workers)
+                                          "less one) or probe (measured once, cached)", parse=parse_workers,
+                                 low=0, high=1024)
     out: str | None = opt(None, "run folder (default runs/<time>-<model>)")
     resume: bool = opt(False, "continue the run in --out from its last checkpoint, with its saved settings")
-    stop_after: int | None = opt(None, "leave after N epochs of this invocation (resumable), for time-limited jobs")
+    stop_after: int | None = opt(None, "leave after N epochs of this invocation (resumable), for time-limited jobs",
+                                  low=1)
     checkpoint_every: int | None = opt(None, "also save last.pt every N optimizer steps (mid-epoch; SIGTERM and "
-                                             "Ctrl-C always save one)")
+                                             "Ctrl-C always save one)", low=1)
     cache_dir: str | None = opt(None, "remote data (s3://, gs://, az://, http(s)://): this node's shard cache "
                                       "(default ~/.cache/fastpipe/shards or $FASTPIPE_CACHE)")
     cache_limit: str | None = opt(None, "remote data: keep the shard cache under this size, e.g. 50GB "
                                         "(least recently used shards go first; default: no limit)")
-    seed: int = opt(0, "seed for the model, the data order and the augmentations")
+    seed: int = opt(0, "seed for the model, the data order and the augmentations", low=0, high=SEED_MAX)
     pretrained: str | None = opt(None, "local weights file to start from (no downloads)")
     balance: bool = opt(False, "class-balanced sampling")
     class_weighted_loss: bool = opt(False, "weight the loss by the class weights")
     sync_bn: bool = opt(False, "SyncBatchNorm across ranks")
     auto_batch: bool = opt(False, "find the largest batch that fits before training (CUDA)")
-    max_nonfinite: int = opt(5, "consecutive non-finite losses before the run stops")
-    log_every: int = opt(10, "steps between progress updates (each reads the loss: a host sync)")
+    max_nonfinite: int = opt(5, "consecutive non-finite losses before the run stops", low=1, high=1_000_000)
+    log_every: int = opt(10, "steps between progress updates (each reads the loss: a host sync)", low=1,
+                         high=1_000_000)
+
+    def __post_init__(self):
+        check(self)  # every setting's type and range, for the CLI and the Python API alike
+        check_location(self.data)
 
     def validate(self) -> None:
-        if self.amp is not None and self.amp not in AMP_MODES:
-            raise ConfigError(f"--amp {self.amp}: use one of {', '.join(AMP_MODES)}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"--optimizer {self.optimizer}: use one of {', '.join(OPTIMIZERS)}")
-        if self.backend not in BACKEND_NAMES:
-            raise ConfigError(f"--backend {self.backend}: use one of {', '.join(BACKEND_NAMES)}")
-        if self.accum_steps < 1 or self.epochs < 1 or self.batch_size < 1:
-            raise ConfigError("--accum-steps, --epochs and --batch-size must be at least 1")
+        """What one setting's range cannot say: settings that depend on each other, and the text formats."""
         if self.resume and not self.out:
             raise ConfigError("--resume needs --out RUN_FOLDER: the run to continue")
         if self.progressive:
@@ -93,7 +96,11 @@ def resumed_config(saved: dict, given: dict, run: str) -> TrainConfig:
         what = ", ".join(f"--{k.replace('_', '-')} {new} (the run has {old})" for k, (old, new) in differ.items())
         raise ConfigError(f"{run} was trained with other settings: {what}. Resume with the run's own settings "
                           f"(drop those flags), or start a new run with another --out")
-    return TrainConfig(**{**base, **given, "resume": True})
+    try:
+        return TrainConfig(**{**base, **given, "resume": True})
+    except ConfigError as e:
+        raise ConfigError(f"{run}/config.json: {e} (the file was edited or damaged); restore it, or start a new run "
+                          f"with another --out") from None
 
 
 def parse_progressive(text: str) -> tuple[int, int]:
@@ -101,8 +108,8 @@ def parse_progressive(text: str) -> tuple[int, int]:
         lo, hi = (int(x) for x in text.split(":"))
     except ValueError:
         raise ConfigError(f"--progressive {text!r}: use START:END image sizes, e.g. 128:224") from None
-    if not 32 <= lo <= hi:
-        raise ConfigError(f"--progressive {text!r}: need 32 <= START <= END")
+    if not 32 <= lo <= hi <= MAX_IMAGE_SIZE:
+        raise ConfigError(f"--progressive {text!r}: need 32 <= START <= END <= {MAX_IMAGE_SIZE}")
     return lo, hi
 
 
@@ -122,17 +129,20 @@ def image_size_for_epoch(cfg: TrainConfig, epoch: int) -> int:
 @dataclass(frozen=True)
 class MemoryConfig:
     model: str = opt("resnet18", "torchvision model name")
-    image_size: int = opt(224, "image size (pixels, square)")
-    batch_size: int = opt(64, "batch size to account for")
+    image_size: int = opt(224, "image size (pixels, square)", low=16, high=MAX_IMAGE_SIZE)
+    batch_size: int = opt(64, "batch size to account for", low=1, high=65536)
     optimizer: str = opt("sgd", "optimizer (SGD keeps one state copy, AdamW two)", choices=("sgd", "adamw"))
     amp: str | None = opt(None, "mixed precision (default as `fastpipe train`: fp16 on CUDA, off on a CPU)",
                           choices=("fp16", "bf16", "off"))
-    num_classes: int = opt(1000, "classes of the head (or --data)")
+    num_classes: int = opt(1000, "classes of the head (or --data)", low=1, high=1_000_000)
     device: str | None = opt(None, "where to measure (default: cuda when available)")
     gpu_memory: int | None = opt(None, "memory to plan for, e.g. 8GB (a bare 8 means 8 GB; default: this GPU's)",
                                  parse=parse_gb)
     checkpoint_activations: bool = opt(False, "recompute the deep stages' activations")
     channels_last: bool = opt(True, "channels_last memory format")
+
+    def __post_init__(self):
+        check(self)
 
     def resolved(self) -> MemoryConfig:
         import torch

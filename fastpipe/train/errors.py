@@ -36,12 +36,20 @@ def write_errors(run: Path, errors: list[dict], shards, classes) -> None:
         _grid(run / "errors.jpg", errors, shards, classes)
 
 
+def _clip(text: str, n: int, keep_end: bool = False) -> str:
+    """At most n characters, an ellipsis where text was cut (the end of a path is what tells files apart)."""
+    if len(text) <= n:
+        return text
+    return "…" + text[-(n - 1):] if keep_end else text[: n - 1] + "…"
+
+
 def _grid(path: Path, errors: list[dict], shards, classes) -> None:
-    rows = -(-len(errors) // COLS)
-    sheet = Image.new("RGB", (COLS * CELL, rows * (CELL + CAPTION)), (30, 30, 30))
+    cols = min(COLS, len(errors))  # a few mistakes: a sheet as wide as they are, not a mostly empty one
+    rows = -(-len(errors) // cols)
+    sheet = Image.new("RGB", (cols * CELL, rows * (CELL + CAPTION)), (30, 30, 30))
     draw = ImageDraw.Draw(sheet)
     for n, e in enumerate(errors):
-        x, y = (n % COLS) * CELL, (n // COLS) * (CELL + CAPTION)
+        x, y = (n % cols) * CELL, (n // cols) * (CELL + CAPTION)
         try:
             im = Image.open(io.BytesIO(shards.sample(e["id"]).image)).convert("RGB")
             im.thumbnail((CELL, CELL))
@@ -49,8 +57,8 @@ def _grid(path: Path, errors: list[dict], shards, classes) -> None:
         except (OSError, ValueError):
             pass  # an undecodable image still gets its caption
         true, predicted = _names(e, classes)
-        draw.text((x + 4, y + CELL + 2), f"{true[:14]} -> {predicted[:14]}", fill=(255, 200, 120))
-        draw.text((x + 4, y + CELL + 17), f"{e['confidence']:.2f} {(e['source'] or e['sample'])[-22:]}",
+        draw.text((x + 4, y + CELL + 2), f"{_clip(true, 14)} -> {_clip(predicted, 14)}", fill=(255, 200, 120))
+        draw.text((x + 4, y + CELL + 17), f"{e['confidence']:.2f} {_clip(e['source'] or e['sample'], 22, True)}",
                   fill=(220, 220, 220))
     out = io.BytesIO()
     sheet.save(out, "JPEG", quality=85)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -94,7 +95,8 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=amp_dtype(self.cfg.amp), enabled=self.cfg.amp != "off")
 
     def step(self, x, y, i: int, accum: int, streak: torch.Tensor) -> torch.Tensor:
-        """One micro-batch: forward, backward, and every `accum` micro-batches the optimizer step."""
+        """One micro-batch: forward, backward, and every `accum` micro-batches the optimizer step. Returns the loss,
+        0 where it is not finite (`streak` counts those in a row; `finite_losses` below counts the others)."""
         last_micro = (i + 1) % accum == 0
         no_sync = getattr(self.model, "no_sync", None)
         with (no_sync() if no_sync and not last_micro else contextlib.nullcontext()):
@@ -107,7 +109,9 @@ class Trainer:
             self.scaler.step(self.opt)  # fp16: skipped when the scaled gradients hold inf/NaN
             self.scaler.update()
             self.opt.zero_grad(set_to_none=True)
-            self.sched.step()
+            with warnings.catch_warnings():  # the scaler skipping the first step (fp16) is normal, not the old order
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()` before")
+                self.sched.step()
         return torch.where(finite, loss.detach(), 0.0)
 
     def train_epoch(self, loader, epoch: int, resumed: EpochProgress | None = None) -> dict:
@@ -120,6 +124,7 @@ class Trainer:
         base = resumed if resumed is not None and self.dist.main else EpochProgress()  # sums restart on rank 0
         loss_sum = torch.full((), base.loss_sum, device=self.device)
         streak = torch.zeros((), dtype=torch.int64, device=self.device)
+        finite = torch.zeros((), dtype=torch.int64, device=self.device)  # this call's micro-batches with a finite loss
         first = resumed.step if resumed is not None else 0
         n, wait, start = base.images, base.wait, time.perf_counter() - base.seconds
         bar = tqdm(total=first + todo, initial=first, desc=f"epoch {epoch + 1}/{self.cfg.epochs}", unit="batch",
@@ -128,9 +133,16 @@ class Trainer:
         for j in range(todo):
             i = first + j
             t = time.perf_counter()
-            x, y = next(it)
+            try:
+                x, y = next(it)
+            except RuntimeError as e:
+                if not str(e).startswith("DataLoader worker"):
+                    raise
+                at = EpochProgress(i, base.batches + j, n, loss_sum.item(), wait, time.perf_counter() - start)
+                raise self._worker_lost(e, loader, epoch, at) from None
             wait += time.perf_counter() - t
             loss_sum += self.step(x, y, i, accum, streak)
+            finite += streak == 0
             n += len(y)
             bar.update(1)
             if (i + 1) % accum == 0:
@@ -141,12 +153,20 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the clock is read after the device has finished
         seconds = time.perf_counter() - start
-        stats = self._reduce(torch.tensor([loss_sum.item(), base.batches + todo, n, wait, seconds],
-                                          dtype=torch.float64))
+        bad = todo - int(finite)  # host sync, once per epoch
+        loss, batches, images, bad, done, streaks, _, _ = self._reduce(torch.tensor(
+            [loss_sum.item(), base.batches + todo - bad, n, bad, todo, int(streak >= self.cfg.max_nonfinite), wait,
+             seconds], dtype=torch.float64))
+        # Checked on every rank alike (one rank stopping alone would leave the others waiting in a collective), and
+        # here too, since an epoch may be shorter than --log-every.
+        if done and bad == done:  # not one finite loss in this epoch: nothing was learnt
+            raise TrainingStopped(self._nonfinite_advice(f"in any of the epoch's {int(done)} steps", epoch))
+        if streaks:
+            raise TrainingStopped(self._nonfinite_advice(f"for {self.cfg.max_nonfinite}+ steps in a row", epoch))
         peak = torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else None
-        return {"train_loss": stats[0] / max(stats[1], 1), "img_per_s": stats[2] / (seconds or 1e-9),
+        return {"train_loss": loss / max(batches, 1), "img_per_s": images / (seconds or 1e-9),
                 "data_wait": wait / (seconds or 1e-9), "seconds": seconds, "peak_mem_mb": peak,
-                "lr": self.opt.param_groups[0]["lr"], "train_samples": int(stats[2])}
+                "lr": self.opt.param_groups[0]["lr"], "train_samples": int(images), "nonfinite_steps": int(bad)}
 
     def _after_step(self, loader, epoch: int, p: EpochProgress, loss_sum, streak, bar) -> None:
         """At an optimizer-step boundary (a consistent state): progress, metrics, periodic checkpoint, stop."""
@@ -167,6 +187,19 @@ class Trainer:
         if stopping:
             self.stop.check()
 
+    def _worker_lost(self, e: RuntimeError, loader, epoch: int, at: EpochProgress) -> TrainingStopped:
+        """A loader worker process died (the kernel's out-of-memory killer, most often): what happened and what to
+        change, and a checkpoint when the state allows one (at an optimizer-step boundary, one process)."""
+        saved = ""
+        if self.checkpoint and self.dist.world == 1 and at.step % self.cfg.accum_steps == 0:
+            self.checkpoint(epoch, at, loader)
+            saved = f" The run was saved at step {self.global_step}: --resume continues from there."
+        workers = getattr(loader, "num_workers", "?")
+        return TrainingStopped(
+            f"a loader worker process died ({str(e).split(':', 1)[-1].strip().rstrip('. ')}): most likely the system "
+            f"ran out of memory. Use fewer --workers (now {workers}), a smaller --batch-size, or close other "
+            f"programs.{saved}")
+
     def _summed(self, p: EpochProgress) -> EpochProgress:
         """The progress of every rank together (what a checkpoint keeps)."""
         if self.dist.world == 1:
@@ -180,10 +213,13 @@ class Trainer:
     def _check(self, streak: torch.Tensor, epoch: int, i: int) -> None:
         bad = int(streak.item())
         if bad >= self.cfg.max_nonfinite:
-            raise TrainingStopped(
-                f"the loss was not finite for {bad} steps in a row (epoch {epoch + 1}, step {i + 1}). "
-                f"Lower --lr (now {self.cfg.lr:g}), use --amp bf16 or fp16 (its scaler skips bad steps) "
-                f"instead of {self.cfg.amp}, and check the data with `fastpipe inspect --verify`.")
+            raise TrainingStopped(self._nonfinite_advice(f"for {bad} steps in a row", epoch, i))
+
+    def _nonfinite_advice(self, how: str, epoch: int, i: int | None = None) -> str:
+        where = f"epoch {epoch + 1}" + (f", step {i + 1}" if i is not None else "")
+        return (f"the loss was not finite {how} ({where}). Lower --lr (now {self.cfg.lr:g}), use --amp bf16 or "
+                f"fp16 (its scaler skips bad steps) instead of {self.cfg.amp}, check --pretrained weights and "
+                f"--augment settings, and check the data with `fastpipe inspect --verify`.")
 
     def _stop_agreed(self) -> bool:
         """Whether a signal asked to stop. With several ranks all must agree, or the others would hang in the next
@@ -199,11 +235,11 @@ class Trainer:
         return bool(flag.item())
 
     def _reduce(self, t: torch.Tensor) -> list[float]:
-        """Sum across ranks (the loss and counts); wait and seconds are averaged."""
+        """Sum across ranks (the loss and counts); the last two (wait and seconds) are averaged."""
         if self.dist.world > 1:
             t = t.to(self.device)
             dist.all_reduce(t)
-            t[3:] /= self.dist.world
+            t[-2:] /= self.dist.world
         return t.cpu().tolist()
 
     def stop_now(self) -> None:

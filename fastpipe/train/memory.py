@@ -39,6 +39,11 @@ class MemoryReport:
     def total_mb(self, batch: int) -> float:
         return self.fixed_mb + batch * self.activations_mb_per_image
 
+    @property
+    def other_fixed_mb(self) -> float:
+        """What the fixed part holds beyond parameters, gradients, optimizer state and buffers."""
+        return self.fixed_mb - (self.params_mb + self.grads_mb + self.optimizer_mb + self.buffers_mb)
+
     def max_batch(self, budget_mb: float | None = None) -> int | None:
         budget = budget_mb or self.budget_mb
         if not budget or self.activations_mb_per_image <= 0:
@@ -147,11 +152,15 @@ def _points(cfg: MemoryConfig, device: torch.device) -> tuple[float, float]:
     return slope, p1 - slope * b1
 
 
-def analyse(cfg: MemoryConfig, techniques: bool = True) -> MemoryReport:
+def analyse(cfg: MemoryConfig, techniques: bool = True, log=None) -> MemoryReport:
+    """The memory of one training step of cfg's model, and (`techniques`) what each saving technique changes.
+    `log(line)` says what is being measured as it goes: each variant takes seconds to a minute on a CPU."""
     cfg = cfg.resolved()
     device = torch.device(cfg.device)
     model = _model(cfg, torch.device("cpu"))  # static sizes do not depend on the device
     static = static_bytes(model, cfg.optimizer)
+    if log:
+        log(f"measuring {cfg.model} at {cfg.image_size}px, amp {cfg.amp}, two small batches on {cfg.device} ...")
     slope, intercept = _points(cfg, device)
     static_total = sum(static.values())
     if device.type == "cuda":
@@ -165,11 +174,11 @@ def analyse(cfg: MemoryConfig, techniques: bool = True) -> MemoryReport:
     report = MemoryReport(asdict(cfg), where, static["params"] / MB, static["grads"] / MB, static["optimizer"] / MB,
                           static["buffers"] / MB, slope / MB, fixed / MB, budget, [])
     if techniques:
-        report.techniques = _techniques(cfg, report)
+        report.techniques = _techniques(cfg, report, log)
     return report
 
 
-def _techniques(cfg: MemoryConfig, base: MemoryReport) -> list[dict]:
+def _techniques(cfg: MemoryConfig, base: MemoryReport, log=None) -> list[dict]:
     """What each memory-saving technique changes, each measured the same way."""
     options = []
     if cfg.amp == "off":
@@ -183,7 +192,9 @@ def _techniques(cfg: MemoryConfig, base: MemoryReport) -> list[dict]:
     if cfg.optimizer in ("adam", "adamw"):
         options.append(("--optimizer sgd", replace(cfg, optimizer="sgd")))
     rows = []
-    for label, variant in options:
+    for n, (label, variant) in enumerate(options, 1):
+        if log:
+            log(f"what-if {n}/{len(options)}: {label} ...")
         r = analyse(variant, techniques=False)
         rows.append({"technique": label, "total_mb": r.total_mb(cfg.batch_size),
                      "saves_mb": base.total_mb(cfg.batch_size) - r.total_mb(cfg.batch_size),
@@ -201,8 +212,8 @@ def format_report(r: MemoryReport) -> str:
              f"  buffers            {r.buffers_mb:10.1f} MB",
              f"  activations        {b * r.activations_mb_per_image:10.1f} MB   "
              f"({r.activations_mb_per_image:.2f} MB per image)",
-             f"  fixed, measured    {r.fixed_mb:10.1f} MB   (static + workspace)",
-             f"  total              {r.total_mb(b):10.1f} MB"]
+             f"  other fixed        {r.other_fixed_mb:10.1f} MB   (workspace, allocator; measured)",
+             f"  total              {r.total_mb(b):10.1f} MB   (the lines above, added)"]
     if r.budget_mb:
         fits = r.total_mb(b) <= r.budget_mb * SAFETY
         lines.append(f"  against {r.budget_mb / 1024:.1f} GB: {'fits' if fits else 'DOES NOT FIT'}; largest batch "
@@ -211,7 +222,8 @@ def format_report(r: MemoryReport) -> str:
         lines.append("  what each technique would change (same batch):")
         for t in r.techniques:
             mb = f", largest batch {t['max_batch']}" if t["max_batch"] is not None else ""
-            lines.append(f"    {t['technique']:28s} total {t['total_mb']:9.1f} MB (saves {t['saves_mb']:8.1f} MB{mb})")
+            change = f"saves {t['saves_mb']:.1f} MB" if t["saves_mb"] >= 0 else f"costs {-t['saves_mb']:.1f} MB more"
+            lines.append(f"    {t['technique']:28s} total {t['total_mb']:9.1f} MB ({change}{mb})")
     return "\n".join(lines)
 
 

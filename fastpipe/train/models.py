@@ -54,18 +54,33 @@ def checkpoint_deep_stages(model: nn.Module) -> list[str]:
 
 
 def load_pretrained(model: nn.Module, path: str) -> list[str]:
-    """Weights from a local file; the classifier head (other class count) is left as initialised.
-    Returns the names of the tensors not loaded."""
+    """Weights from a local file (a state dict, or a fastpipe checkpoint's "model"); tensors whose name or shape
+    does not match (the classifier head of another class count) are left as initialised, and a file of which
+    nothing matches is refused. Loaded with weights_only: a crafted file cannot run code. Returns the names of
+    the tensors not loaded."""
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"--pretrained {path}: no such file (fastpipe never downloads weights; "
-                                f"save them once with torchvision on a machine with a network)")
-    state = torch.load(file, map_location="cpu", weights_only=True)
+                          f"save them once with torchvision on a machine with a network)")
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # damage and foreign pickles raise many types; all mean the same here
+        raise ConfigError(f"--pretrained {path}: not a weights file that can be loaded safely ({type(e).__name__}: "
+                          f"{str(e)[:150]}); save one with torch.save(model.state_dict(), FILE)") from None
     state = state.get("model", state) if isinstance(state, dict) else state
+    if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
+        raise ConfigError(f"--pretrained {path}: holds a {type(state).__name__}, not a state dict (names → "
+                          f"tensors); save one with torch.save(model.state_dict(), FILE)")
     own = model.state_dict()
     usable = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
+    if not usable:
+        raise ConfigError(f"--pretrained {path}: none of its {len(state)} tensors matches a {type(model).__name__}'s "
+                          f"names and shapes: weights of another model? (--model must be the one they were saved from)")
     model.load_state_dict(usable, strict=False)
-    return sorted(set(own) - set(usable))
+    missing = sorted(set(own) - set(usable))
+    print(f"--pretrained {path}: loaded {len(usable)} of the model's {len(own)} tensors"
+          + (f"; left as initialised: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}" if missing else ""))
+    return missing
 
 
 def build_model(name: str, num_classes: int, image_size: int = 224, pretrained: str | None = None,

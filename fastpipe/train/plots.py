@@ -28,14 +28,18 @@ def curves_png(metrics: list[dict], path: Path) -> None:
         axes[0].plot([m["epoch"] + 1 for m in val], [m["val_loss"] for m in val], "o-", label="val")
         axes[1].plot([m["epoch"] + 1 for m in val], [m[score] for m in val], "o-", color="tab:green")
     axes[0].set_title("loss")
+    axes[0].set_ylabel("loss (mean per image)")
     axes[0].legend()
     axes[1].set_ylim(0, 1)
+    axes[1].set_ylabel("mAP (0-1)" if score == "val_map" else "accuracy (0-1)")
     title = "validation mAP" if score == "val_map" else "validation accuracy"
     axes[1].set_title(title if val else f"{title} (no val split)")
     axes[2].plot(ep, [m["img_per_s"] for m in metrics], "o-", color="tab:purple", label="images/s")
     ax2 = axes[2].twinx()
     ax2.bar(ep, [100 * m["data_wait"] for m in metrics], alpha=0.25, color="tab:red", label="data wait %")
     ax2.set_ylim(0, 100)
+    ax2.set_ylabel("data wait (% of each step)")
+    axes[2].set_ylabel("images / s")
     axes[2].set_title("throughput (line) and data wait % (bars)")
     for a in axes:
         a.set_xlabel("epoch")
@@ -71,14 +75,19 @@ def per_class_png(last: dict, classes, path: Path) -> None:
     x = np.arange(k)
     if "per_class_ap" in last:
         ap = [v if v is not None else 0.0 for v in last["per_class_ap"]]
-        ax.bar(x - 0.2, ap, 0.4, label="average precision", color="tab:blue")
-        ax.bar(x + 0.2, last["per_class_f1"], 0.4, label=f"F1 at threshold {last['threshold']}", color="tab:orange")
+        for bars in (ax.bar(x - 0.2, ap, 0.4, label="average precision", color="tab:blue"),
+                     ax.bar(x + 0.2, last["per_class_f1"], 0.4, label=f"F1 at threshold {last['threshold']}",
+                            color="tab:orange")):
+            ax.bar_label(bars, fmt="%.2f", fontsize=6)  # a class at 0 shows its 0.00, not an empty slot
+        ax.set_ylabel("score (0-1)")
         ax.legend(fontsize=8)
         ax.set_title(f"per class, last epoch: mAP {last['val_map']:.3f}", fontsize=9)
     else:
-        ax.bar(x, last["per_class_acc"], 0.6, color="tab:green")
+        bars = ax.bar(x, last["per_class_acc"], 0.6, color="tab:green")
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)  # a class at 0 shows its 0.00, not an empty slot
         ax.set_title(f"per-class validation accuracy, last epoch ({last['val_acc']:.3f} overall)", fontsize=9)
-    ax.set_ylim(0, 1)
+        ax.set_ylabel("accuracy (0-1)")
+    ax.set_ylim(0, 1.08)
     ax.set_xticks(x, classes, rotation=45, ha="right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -52,6 +52,10 @@ class Run:
             raise RunError(f"{path} is damaged or not a fastpipe run's config; start a new run with another --out")
         return train
 
+    def previous_summary(self) -> dict:
+        """summary.json as the last invocation left it ({} when missing or damaged)."""
+        return _read_json(self.path / "summary.json")
+
     def start(self, config: dict) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.path / "config.json", config)
@@ -156,12 +160,15 @@ def format_runs(rows: list[dict]) -> str:
         return "no runs"
     cols = list(rows[0])
 
-    def fmt(v):
-        if isinstance(v, float):
-            return f"{v:.3f}" if v < 10 else f"{v:,.0f}"
-        return "-" if v is None else str(v)
+    formats = {"img/s": "{:,.1f}", "wait%": "{:.0f}%", "peak MB": "{:,.0f}", "val acc/mAP": "{:.3f}",
+               "minutes": "{:,.1f}"}
 
-    table = [[fmt(r[c]) for c in cols] for r in rows]
+    def fmt(c, v):
+        if v is None:
+            return "-"
+        return formats[c].format(v) if c in formats and isinstance(v, (int, float)) else str(v)
+
+    table = [[fmt(c, r[c]) for c in cols] for r in rows]
     widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(t, widths)) for t in table]

@@ -10,7 +10,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -21,11 +21,12 @@ from fastpipe import __version__
 from fastpipe.errors import ConfigError
 from fastpipe.loaders import LoaderConfig, make_loader_from
 from fastpipe.manifest import load
+from fastpipe.options import amp_for, check_number
 from fastpipe.train.config import RESUMABLE_CHANGES, TrainConfig, image_size_for_epoch, resumed_config
 from fastpipe.train.errors import write_errors
 from fastpipe.train.loop import Dist, EpochProgress, Trainer, TrainingStopped, make_optimizer, make_schedule
 from fastpipe.train.models import build_model
-from fastpipe.train.runs import Run, default_run_dir
+from fastpipe.train.runs import Run, RunError, default_run_dir
 
 OOM_ADVICE = ("CUDA ran out of memory. Lower --batch-size (and keep the effective batch with --accum-steps), "
               "use --amp fp16 or bf16, --checkpoint-activations, or a smaller --image-size; "
@@ -52,7 +53,7 @@ def resolve(cfg: TrainConfig, device: torch.device) -> TrainConfig:
     # SGD: the linear scaling rule (0.1 per 256 images, Goyal et al.); AdamW: its usual 1e-3, which small
     # data sets train well with (Adam's step size is less tied to the batch).
     lr = cfg.lr if cfg.lr is not None else (0.1 * eff / 256 if cfg.optimizer == "sgd" else 1e-3)
-    return replace(cfg, device=str(device), lr=lr, amp=cfg.amp or ("fp16" if cuda else "off"),
+    return replace(cfg, device=str(device), lr=lr, amp=amp_for(cfg.amp, cuda),
                    channels_last=cuda if cfg.channels_last is None else cfg.channels_last,
                    out=cfg.out or str(default_run_dir(cfg.model)))
 
@@ -166,7 +167,7 @@ def train(cfg: TrainConfig) -> Path:
                       device, d)
     start = Start()
     if cfg.resume and (state := run.load()) is not None:
-        start = _restore(trainer, state)
+        start = _restore(trainer, state, run)
     if d.main:
         if not has_val:
             print("no validation split in the data set: training without evaluation", file=sys.stderr)
@@ -190,12 +191,32 @@ class Start:
     progress: EpochProgress | None = None
 
 
-def _restore(trainer: Trainer, state: dict) -> Start:
-    trainer.restore(state)
-    mid = state.get("mid_epoch")
-    if not mid:
-        return Start(state["epoch"] + 1)
-    return Start(state["epoch"], mid["loader"], EpochProgress(**mid["progress"]))
+def _restore(trainer: Trainer, state: dict, run: Run) -> Start:
+    """The model, optimizer and RNG state of the checkpoint, and where to start. A checkpoint that does not fit this
+    run (an edited epoch, a tensor of another shape or one too many, another optimizer's state, a short RNG state,
+    an unknown progress field) is one error naming the file; nothing in it is run (Run.load: weights_only)."""
+    try:
+        epoch = check_number("its epoch", state["epoch"], int, 0, trainer.cfg.epochs - 1)
+        check_number("its global_step", state.get("global_step", 0), int, 0)
+        mid = state.get("mid_epoch")
+        progress = _progress(mid["progress"]) if mid else None
+        trainer.restore(state)
+    except (ConfigError, RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise RunError(f"{run.checkpoint_path} does not fit this run ({' '.join(str(e).split())[:250]}): edited, "
+                       f"damaged or another run's. Resume with the run's own settings, or start a new run with "
+                       f"another --out") from None
+    return Start(epoch, mid["loader"], progress) if mid else Start(epoch + 1)
+
+
+def _progress(saved) -> EpochProgress:
+    """A mid-epoch checkpoint's progress: known fields only, each a number >= 0."""
+    names = {f.name for f in fields(EpochProgress)}
+    if not isinstance(saved, dict) or set(saved) - names:
+        raise ValueError(f"mid-epoch progress has unknown fields {sorted(set(saved) - names)[:3]}"
+                         if isinstance(saved, dict) else "mid-epoch progress is not a record")
+    for name, value in saved.items():
+        check_number(f"progress {name}", value, int if name in ("step", "batches", "images") else float, 0)
+    return EpochProgress(**saved)
 
 
 def _save_mid(trainer: Trainer, run: Run, epoch: int, progress: EpochProgress, loader) -> None:
@@ -222,7 +243,10 @@ def _epochs(trainer: Trainer, run: Run, manifest, train_loader, val_loader, star
             loader.set_epoch(epoch)
             resumed = start.progress if epoch == start.epoch else None
             if resumed is not None:
-                loader.load_state_dict(start.loader)
+                try:
+                    loader.load_state_dict(start.loader)
+                except ConfigError as e:
+                    raise RunError(f"{run.checkpoint_path}: {e}; start a new run with another --out") from None
             m = {"kind": "epoch", "epoch": epoch, "image_size": size, **trainer.train_epoch(loader, epoch, resumed)}
             if d.main:
                 run.save(trainer.state(epoch))  # the epoch is trained: saved before evaluating it
@@ -251,14 +275,20 @@ def _epochs(trainer: Trainer, run: Run, manifest, train_loader, val_loader, star
         raise
     finally:
         if d.main:
-            run.finish(_summary(run, cfg, status, time.time() - began), manifest.classes)
+            run.finish(_summary(run, cfg, status, time.time() - began, began, start.epoch), manifest.classes)
             if errors:
                 write_errors(run.path, errors, val_loader.shards, manifest.classes)
     return run.path
 
 
-def _summary(run: Run, cfg: TrainConfig, status: str, seconds: float) -> dict:
+def _summary(run: Run, cfg: TrainConfig, status: str, seconds: float, began: float, first_epoch: int) -> dict:
+    """The run's figures, and its history: one record per invocation (how it started and ended), so that a run
+    stopped by SIGTERM and resumed says so, and its minutes are those of every part."""
     ms = run.epochs()
+    history = [h for h in run.previous_summary().get("history", []) if isinstance(h, dict)] if cfg.resume else []
+    history.append({"started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(began)), "seconds": round(seconds, 1),
+                    "from_epoch": first_epoch, "epochs_done": len(ms), "status": status,
+                    "resumed": bool(cfg.resume)})
     accs = [m["val_acc"] for m in ms if "val_acc" in m]
     maps = [m for m in ms if "val_map" in m]
     multi = {"best_val_map": max(m["val_map"] for m in maps), "final_val_map": maps[-1]["val_map"],
@@ -268,7 +298,8 @@ def _summary(run: Run, cfg: TrainConfig, status: str, seconds: float) -> dict:
             "img_per_s": sum(m["img_per_s"] for m in ms) / len(ms) if ms else None,
             "data_wait_pct": 100 * sum(m["data_wait"] for m in ms) / len(ms) if ms else None,
             "peak_mem_mb": max((m["peak_mem_mb"] or 0 for m in ms), default=None) or None,
-            "minutes": seconds / 60, "model": cfg.model, "backend": cfg.backend, "run": str(run.path)}
+            "minutes": sum(float(h.get("seconds") or 0) for h in history) / 60, "model": cfg.model,
+            "backend": cfg.backend, "run": str(run.path), "history": history}
 
 
 def _device_info(device: torch.device) -> dict:

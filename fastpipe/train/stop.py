@@ -8,6 +8,7 @@ where Python swallows the exception and training goes on. So the handler only re
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 
 from fastpipe.errors import Interrupted
@@ -22,6 +23,9 @@ class StopRequest:
         if self.signal_name is not None and signum == signal.SIGINT:
             raise Interrupted(self.signal_name)  # asked twice: no more waiting
         self.signal_name = signal.Signals(signum).name
+        # said at once: a step on a CPU can take minutes, and a silent Ctrl-C looks ignored
+        again = "; Ctrl-C again to stop at once" if signum == signal.SIGINT else ""
+        print(f"\n{self.signal_name}: stopping after this step, with a checkpoint{again}", file=sys.stderr, flush=True)
 
     def check(self) -> None:
         if self.signal_name is not None:

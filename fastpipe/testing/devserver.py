@@ -4,7 +4,9 @@ or a proxy that puts the same faults in front of another server (an S3-protocol 
 For the tests and `benchmarks/bench_remote.py`: a real HTTP server that fsspec's HTTP filesystem talks to over
 real sockets, so that remote reading is tested and measured without a network. Faults, each every Nth request
 (counted over all requests, so that concurrent clients meet them too): a 503, a connection reset before any
-response, or a stall longer than the client's timeout.
+response, or a stall longer than the client's timeout. And two hostile servers, for every matching request: one that
+trickles its answer a byte at a time (each byte in time for the client's read timeout), one that announces a huge
+body and sends without end.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class Faults:
     stall_every: int = 0  # every Nth request waits `stall` seconds before answering
     stall: float = 0.0
     only: str = ""  # faults only for requests whose line ("GET /path") holds this (".tar"); latency: all
+    trickle: float = 0.0  # seconds between the bytes of each matching answer
+    endless: bool = False  # each matching answer: a Content-Length of a terabyte, and zeros until the client leaves
 
     def __post_init__(self):
         self.lock, self.count = threading.Lock(), 0
@@ -78,8 +82,29 @@ class _Handler(SimpleHTTPRequestHandler):
             time.sleep(self.faults.stall)
         return False
 
+    def _hostile(self) -> bool:
+        """The trickling or endless answer, when this request is one for them."""
+        if not (self.faults.trickle or self.faults.endless) or self.faults.only not in f"GET {self.path}":
+            return False
+        self.close_connection = True
+        try:
+            if self.faults.endless:
+                self._head(200, 1 << 40)
+                while True:
+                    self.wfile.write(bytes(1 << 16))
+            path = Path(self.translate_path(self.path))
+            data = path.read_bytes() if path.is_file() else b"not found"
+            self._head(200, len(data))
+            for i in range(len(data)):
+                self.wfile.write(data[i : i + 1])
+                self.wfile.flush()
+                time.sleep(self.faults.trickle)
+        except OSError:  # the client gave up: what it should do
+            pass
+        return True
+
     def do_GET(self):
-        if self._faulted():
+        if self._faulted() or self._hostile():
             return
         path = Path(self.translate_path(self.path))
         if not path.is_file():

@@ -1,0 +1,78 @@
+"""The URL and path policy: what a data set's URL and the paths inside a data set may be, checked in one place.
+
+- A data set URL names a folder in a store. It never carries credentials (`http://user:password@host`,
+  `s3://KEY:SECRET@bucket`): they would end up in run records, bench JSON, logs and error messages. They come
+  from the store's environment (AWS_*, GOOGLE_*, AZURE_*) or `storage_options`, held in memory only. A query string
+  or fragment (a pre-signed token) is refused for the same reason.
+- A path inside a data set (a shard, an index, a preview listed in dataset.json) is plain relative text with
+  nothing a store or an HTTP client would decode or normalise: no percent escapes, no `.`/`..` or empty
+  segments, no backslash, no `?`/`#`, no control characters, no scheme. What is checked is then exactly what is
+  requested, on every protocol (an HTTP client turns `%2e%2e/other` into `../other`, and the server into
+  `/other`: another prefix's data).
+- `redact(text)` takes the credentials out of every URL in a text; every message the CLI prints goes through it.
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import urlsplit
+
+from fastpipe.errors import ConfigError
+
+# Up to the last '@' of the URL: a secret may hold '/' (AWS secret keys do), which ends a URL's host part.
+_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^\s@]*@")
+_QUERY_SECRET = re.compile(r"(?P<key>[?&][^=&#\s]*(?:sig|signature|token|key|secret|credential)[^=&#\s]*=)"
+                           r"[^&#\s]*", re.IGNORECASE)
+_BAD_PATH = re.compile(r"[%\\?#\x00-\x1f\x7f]")
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+def redact(text: str) -> str:
+    """`text` with the credentials of every URL in it replaced by ***: user:password@, and the value of query
+    parameters named like a signature, token, key or secret."""
+    text = _CREDENTIALS.sub(lambda m: f"{m['scheme']}***@", str(text))
+    return _QUERY_SECRET.sub(lambda m: f"{m['key']}***", text)
+
+
+def check_url(url: str, what: str = "URL") -> str:
+    """A data set's URL, refused (with the credentials redacted) when it carries credentials, a query or a
+    fragment, or has no place to point to."""
+    parts = urlsplit(url)
+    if "@" in url:  # in the host part, or after a secret holding '/': no store's folder name needs one
+        raise ConfigError(f"{what} {redact(url)}: credentials in a URL are refused (they would be written into "
+                          f"run folders, bench results and logs); give them through the store's environment "
+                          f"(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, GOOGLE_APPLICATION_CREDENTIALS, "
+                          f"AZURE_STORAGE_CONNECTION_STRING, ...) or storage_options, and drop them from the URL")
+    if parts.query or parts.fragment or "?" in url or "#" in url:
+        raise ConfigError(f"{what} {redact(url)}: a data set URL names a folder; a query string or fragment (e.g. "
+                          f"a pre-signed token) is refused: pass headers or tokens through storage_options")
+    if (not parts.netloc and parts.scheme.lower() != "file") or re.search(r"[\s\x00-\x1f\x7f]", url):
+        raise ConfigError(f"{what} {redact(url)}: expected SCHEME://HOST-OR-BUCKET/PREFIX, e.g. s3://bucket/sets/v1")
+    return url
+
+
+def check_location(text, what: str = "data set"):
+    """A folder or a URL as given: a URL is checked (check_url), a folder is returned as it is."""
+    if isinstance(text, str) and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", text):
+        check_url(text, what)
+    return text
+
+
+def check_relative(rel, where: str) -> str:
+    """A path inside a data set's folder as a store will request it: '/'-separated plain names, nothing that an
+    HTTP client, a server or a store decodes or normalises. Raises ConfigError naming `where` otherwise."""
+    problem = None
+    if not isinstance(rel, str) or not rel:
+        problem = "a non-empty relative path"
+    elif rel.startswith("/") or _SCHEME.match(rel):
+        problem = "a relative path (no leading /, no scheme)"
+    elif _BAD_PATH.search(rel):
+        problem = "plain names (no %-escapes, backslash, ?, # or control characters)"
+    elif any(seg in ("", ".", "..") for seg in rel.split("/")):
+        problem = "a path inside the data set's folder (no '.', '..' or empty segments)"
+    if problem:
+        raise ConfigError(f"{where} should be {problem} (holds {str(rel)[:80]!r})")
+    return rel
+
+
+__all__ = ["check_location", "check_relative", "check_url", "redact"]

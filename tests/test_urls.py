@@ -1,0 +1,150 @@
+"""What a data set from a store may make fastpipe do: its paths stay inside its folder on every protocol, URLs never
+carry credentials into records or messages, and a hostile server cannot hold a read forever or fill memory."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from fastpipe.errors import ConfigError
+from fastpipe.loaders import make_loader
+from fastpipe.manifest import ManifestError, load
+from fastpipe.storage import RemoteError
+from fastpipe.testing.devserver import Faults, FolderServer
+from fastpipe.urls import check_relative, redact
+
+pytestmark = pytest.mark.usefixtures("quick_retries")
+KW = dict(batch_size=8, image_size=32, device="cpu", num_workers=0)
+
+
+def _served_copy(converted, tmp_path, edit) -> tuple:
+    """A copy of the data set with dataset.json edited, and beside it another prefix's data ('other/')."""
+    root = tmp_path / "site"
+    shutil.copytree(converted, root / "set")
+    shutil.copytree(converted, root / "other")
+    manifest = json.loads((root / "set" / "dataset.json").read_text())
+    edit(manifest["splits"]["val"]["shards"][0])
+    (root / "set" / "dataset.json").write_text(json.dumps(manifest))
+    return root
+
+
+@pytest.mark.parametrize("path", ["%2e%2e/other/val-000000.tar", "%2E%2E/other/val-000000.tar", "../other/val.tar",
+                                  "./val-000000.tar", "sub//val.tar", "/other/val-000000.tar",
+                                  "http://127.0.0.1:9/other/val-000000.tar", "..%2fother/val-000000.tar",
+                                  "val-000000.tar?x=../../other", "%252e%252e/other/val.tar", "a\\..\\b.tar"])
+def test_a_remote_manifest_cannot_point_outside_its_folder(converted, tmp_path, path):
+    """An HTTP client decodes %2e%2e to .. and the server then serves /other/: the loader trained on another
+    prefix's data. Every such path is refused naming the field and the data set's URL."""
+    root = _served_copy(converted, tmp_path, lambda shard: shard.update(path=path))
+    with FolderServer(root) as url, pytest.raises(ManifestError) as e:
+        make_loader(f"{url}/set", split="val", cache_dir=tmp_path / "cache", **KW)
+    assert f"{url}/set/dataset.json: splits.val.shards[0].path should be" in str(e.value)
+    assert "cache" not in str(e.value)  # named by its URL, not by the local cache folder
+
+
+def test_the_same_paths_are_refused_in_a_local_manifest(converted, tmp_path):
+    shutil.copytree(converted, tmp_path / "set")
+    manifest = json.loads((tmp_path / "set" / "dataset.json").read_text())
+    manifest["splits"]["train"]["shards"][0]["index"] = "..%2f..%2fsecret.idx"
+    (tmp_path / "set" / "dataset.json").write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError, match=r"splits\.train\.shards\[0\]\.index should be plain names"):
+        load(tmp_path / "set")
+
+
+def test_a_bad_remote_manifest_is_named_by_its_url(converted, tmp_path):
+    root = _served_copy(converted, tmp_path, lambda shard: shard.update(samples=-1))
+    with FolderServer(root) as url, pytest.raises(ManifestError, match=rf"^{url}/set/dataset\.json: splits\.val"):
+        load(f"{url}/set", cache_dir=tmp_path / "cache")
+
+
+def test_every_path_fastpipe_writes_passes_the_policy(converted):
+    m = load(converted)
+    for sp in m.splits.values():
+        for s in sp.shards:
+            check_relative(s.path, "path") and check_relative(s.index, "index")
+
+
+SECRET = "s3cr3t-Pa55"
+
+
+URLS = [f"http://alice:{SECRET}@127.0.0.1:9/set", f"s3://AKIA:{SECRET}/x+y@bucket/set",
+        f"http://127.0.0.1:9/set?X-Amz-Signature={SECRET}"]
+COMMANDS = [["train", "{url}", "--epochs", "1"], ["bench", "{url}"], ["inspect", "{url}"], ["shard", "{src}", "{url}"],
+            ["merge", "{url}"], ["index", "--idx-only", "{url}/train-000000.tar"], ["memory", "--data", "{url}"]]
+
+
+@pytest.mark.parametrize("url,command", [(URLS[0], c) for c in COMMANDS] + [(u, COMMANDS[0]) for u in URLS[1:]])
+def test_credentials_in_a_url_are_refused_and_never_written_or_printed(folder, tmp_path, url, command):
+    out = tmp_path / "cwd"
+    out.mkdir()
+    args = [a.format(url=url, src=folder) for a in command]
+    r = subprocess.run([sys.executable, "-m", "fastpipe", *args], capture_output=True, text=True, cwd=out,
+                       timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert SECRET not in r.stdout + r.stderr and "Traceback" not in r.stderr
+    assert "refused" in r.stderr and "***" in r.stderr
+    written = [p for p in out.rglob("*") if p.is_file()]
+    assert not any(SECRET in p.read_text(errors="replace") for p in written), written
+
+
+def test_the_python_api_refuses_them_too(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        make_loader(f"https://bob:{SECRET}@example.org/set", cache_dir=tmp_path)
+    assert SECRET not in str(e.value) and "https://***@example.org/set" in str(e.value)
+
+
+def test_redact_takes_every_credential_out_of_a_text():
+    text = (f"s3://KEY:{SECRET}@b/x failed; http://u:{SECRET}@h/p and az://acct/c?sig={SECRET}&se=2030 "
+            f"then https://h/p?token={SECRET}")
+    assert SECRET not in redact(text) and "s3://***@b/x" in redact(text) and "se=2030" in redact(text)
+
+
+@pytest.fixture
+def fast_deadline(monkeypatch):
+    """Whole-object reads get 1 s plus their size limit at 1 GiB/s: about 1 s; one attempt."""
+    monkeypatch.setenv("FASTPIPE_REMOTE_TIMEOUT", "1")
+    monkeypatch.setenv("FASTPIPE_REMOTE_ATTEMPTS", "1")
+    monkeypatch.setenv("FASTPIPE_REMOTE_MIN_RATE", str(1 << 30))
+
+
+def test_a_server_that_trickles_fails_within_the_deadline(converted, tmp_path, fast_deadline):
+    """A byte every 0.3 s resets the read timeout each time; the total deadline still ends the read."""
+    faults = Faults(trickle=0.3, only="dataset.json")
+    with FolderServer(converted, faults) as url:
+        start = time.monotonic()
+        with pytest.raises(RemoteError, match=r"dataset\.json .*no complete answer within 1 s"):
+            load(url, cache_dir=tmp_path / "cache")
+    assert time.monotonic() - start < 60  # the byte-by-byte answer would take minutes
+
+
+def test_an_endless_answer_is_refused_before_it_is_read(converted, tmp_path, fast_deadline):
+    """A dataset.json announced as a terabyte, with a body that never ends: read to 3.4 GB of memory before."""
+    rss = psutil.Process().memory_info().rss
+    with (FolderServer(converted, Faults(endless=True, only="dataset.json")) as url,
+          pytest.raises(RemoteError, match="announces 1099511627776 bytes, over the limit of 67108864")):
+        load(url, cache_dir=tmp_path / "cache")
+    assert psutil.Process().memory_info().rss - rss < 200 << 20
+
+
+def test_an_index_is_held_to_the_same_limit(converted, tmp_path, fast_deadline):
+    with (FolderServer(converted, Faults(endless=True, only=".idx")) as url,
+          pytest.raises(RemoteError, match=r"\.idx.*over the limit")):
+        make_loader(url, cache_dir=tmp_path / "cache", **KW)
+
+
+def test_a_download_that_trickles_fails_within_its_deadline(converted, tmp_path, fast_deadline):
+    """Whole-file downloads (a conversion resumed from a store, shards adopted from a bucket) have a deadline too."""
+    from fastpipe.storage import Remote
+
+    shard = load(converted).split("val").shards[0].path
+    with FolderServer(converted, Faults(trickle=0.3, only=".tar")) as url:
+        start = time.monotonic()
+        with pytest.raises(RemoteError, match=rf"{shard}"):
+            Remote(url).get_many([(shard, tmp_path / "copy.tar")])
+    assert time.monotonic() - start < 60
