@@ -301,6 +301,44 @@ def test_every_invocation_of_a_run_is_in_its_history_and_no_epoch_is_logged_twic
     assert summary["epochs_done"] == 3
 
 
+def test_tensorboard_shows_every_step_once_across_resumed_invocations(converted, tmp_path):
+    """The scalars and pictures of a run, read back with TensorBoard's own reader. The last invocation resumes from
+    a checkpoint older than what was logged (a kill between a log line and the next save): the steps it trains
+    again replace the old ones instead of being drawn twice."""
+    ea = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    from fastpipe.train.runs import Run
+    from fastpipe.train.session import train_from_cli
+
+    out = tmp_path / "tb"
+    train(cfg(converted, out, epochs=2, stop_after=1, workers=0, log_every=1))
+    after_first = (out / "last.pt").read_bytes()
+    train_from_cli({"data": str(converted), "out": str(out), "resume": True})
+    (out / "last.pt").write_bytes(after_first)  # as if killed after logging epoch 2, before saving it
+    train_from_cli({"data": str(converted), "out": str(out), "resume": True})
+    assert len(list(out.glob("events.out.tfevents.*"))) == 3
+    acc = ea.EventAccumulator(str(out), size_guidance={ea.SCALARS: 0, ea.IMAGES: 0})
+    acc.Reload()
+    logged = [m for m in Run(out).metrics() if m.get("kind") == "step"]
+    steps = [e.step for e in acc.Scalars("train/loss")]
+    assert steps == [m["step"] for m in logged] == sorted(set(steps))  # each step once, in order
+    assert [e.value for e in acc.Scalars("train/loss")] == pytest.approx([m["loss"] for m in logged])
+    assert [e.value for e in acc.Scalars("train/lr")] == pytest.approx([m["lr"] for m in logged])
+    per_epoch = epochs(out)
+    for key, tag in (("val_acc", "epoch/val_accuracy"), ("img_per_s", "epoch/images_per_s"),
+                     ("data_wait", "epoch/data_wait_share"), ("train_loss", "epoch/train_loss")):
+        found = acc.Scalars(tag)
+        assert [e.step for e in found] == [m["global_step"] for m in per_epoch], tag
+        assert [e.value for e in found] == pytest.approx([m[key] for m in per_epoch]), tag
+    assert {"curves", "confusion", "per_class"} <= set(acc.Tags()["images"])
+
+
+def test_without_tensorboard_a_run_writes_no_event_files(tmp_path, monkeypatch):
+    from fastpipe.train.board import open_board
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # what Python does when it isn't installed
+    assert open_board(tmp_path, None) is None and not list(tmp_path.iterdir())
+
+
 # -- how a run ends, and resuming it safely ----------------------------------------------------------------
 def _summary(run: Path) -> dict:
     return json.loads((run / "summary.json").read_text())

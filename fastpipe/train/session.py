@@ -185,6 +185,7 @@ def train(cfg: TrainConfig) -> Path:
                    "normalization": {"setting": cfg.normalize, "mean": mean, "std": std},
                    "loader": train_loader(image_size_for_epoch(cfg, 0)).describe()})
         run.truncate_metrics(start.epoch, trainer.global_step)
+        run.open_board(trainer.global_step + 1 if cfg.resume else None)
         trainer.log_step = run.log
     trainer.checkpoint = lambda epoch, progress, loader: _save_mid(trainer, run, epoch, progress, loader)
     with trainer.stop:  # SIGINT/SIGTERM from here on: the current step finishes, a checkpoint, then a clean exit
@@ -256,7 +257,8 @@ def _epochs(trainer: Trainer, run: Run, manifest, train_loader, val_loader, star
                     loader.load_state_dict(start.loader)
                 except ConfigError as e:
                     raise RunError(f"{run.checkpoint_path}: {e}; start a new run with another --out") from None
-            m = {"kind": "epoch", "epoch": epoch, "image_size": size, **trainer.train_epoch(loader, epoch, resumed)}
+            m = {"kind": "epoch", "epoch": epoch, "image_size": size, **trainer.train_epoch(loader, epoch, resumed),
+                 "global_step": trainer.global_step}
             if d.main:
                 run.save(trainer.state(epoch))  # the epoch is trained: saved before evaluating it
             if val_loader is not None:
