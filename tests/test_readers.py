@@ -120,8 +120,11 @@ def test_webdataset_in_a_dataloader_with_two_workers(data):
     wds = pytest.importorskip("webdataset")
     multi = load(data).multilabel
     for split in SPLITS:
-        ds = wds.WebDataset(_shards(data, split), shardshuffle=False).decode().to_tuple("__key__", "json")
-        _check([(k, _label(meta, multi)) for k, meta in _loader(ds)], reference(data, split))
+        ds = wds.WebDataset(_shards(data, split), shardshuffle=False).decode("pil")
+        ds = ds.to_tuple("__key__", "jpg", "json" if multi else "cls")
+        rows = list(_loader(ds))
+        assert all(isinstance(image, Image.Image) for _, image, _ in rows)
+        _check([(k, _label(label, multi) if multi else label) for k, _, label in rows], reference(data, split))
 
 
 def _wids_sample(multi: bool, sample: dict):
@@ -171,7 +174,7 @@ def test_hugging_face_datasets_default_call_and_streaming_with_two_workers(data,
     multi = load(data).multilabel
     files = {split: f"{data}/{split}-*.tar" for split in SPLITS}
     loaded = datasets.load_dataset("webdataset", data_files=files, cache_dir=str(tmp_path / "hf"))
-    streamed = datasets.load_dataset("webdataset", data_files=files, streaming=True)
+    streamed = datasets.load_dataset("webdataset", data_files=files, streaming=True, cache_dir=str(tmp_path / "hf"))
     for split in SPLITS:
         ref = reference(data, split)
         rows = loaded[split].select_columns(["__key__", "json"])
@@ -189,16 +192,18 @@ def _dali_part(out: Path, split: str, shard_id: int, count: int) -> list[tuple[d
 
     @pipeline_def(batch_size=1, num_threads=2, device_id=None)
     def pipe():
-        return tuple(fn.readers.webdataset(
+        jpg, meta, lbl = fn.readers.webdataset(
             paths=[str(out / s.path) for s in shards], index_paths=[str(out / s.index) for s in shards],
-            ext=["json", "lbl"], dtypes=[types.UINT8, types.UINT8 if m.multilabel else types.INT32],
-            num_shards=2, shard_id=shard_id, name="r"))
+            ext=["jpg", "json", "lbl"], dtypes=[types.UINT8, types.UINT8, types.UINT8 if m.multilabel else types.INT32],
+            num_shards=2, shard_id=shard_id, name="r")
+        return fn.decoders.image(jpg, device="cpu"), meta, lbl
 
     p = pipe()
     p.build()
     got = []
     for _ in range(count):
-        meta, lbl = (o.as_array()[0] for o in p.run())
+        image, meta, lbl = (o.as_array()[0] for o in p.run())
+        assert image.ndim == 3 and image.shape[2] == 3
         got.append((json.loads(meta.tobytes()), tuple(int(v) for v in lbl) if m.multilabel else int(lbl[0])))
     del p
     return got

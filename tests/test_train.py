@@ -401,6 +401,11 @@ def test_fine_tuning_normalises_as_the_weights_were_trained(converted, tmp_path,
     torch.save({"model": {}, "normalize": "bogus"}, tmp_path / "damaged.pt")
     with pytest.raises(ConfigError, match=r"damaged\.pt: its recorded normalisation 'bogus' is not one"):
         resolve(TrainConfig(data=".", pretrained=str(tmp_path / "damaged.pt")), cpu)
+    from fastpipe.cli import main
+
+    with pytest.raises(SystemExit) as e:  # refused by the flag's parser, before anything starts
+        main(["train", str(converted), "--normalize", "imgnet"])
+    assert e.value.code == 2 and "--normalize 'imgnet': use dataset" in capsys.readouterr().err
     old = {"data": ".", "pretrained": weights, "out": "r"}  # config.json of a run from before the setting
     assert resumed_config(old, {}, "r").normalize == "dataset"
     with pytest.raises(ConfigError, match="uint8 images are for make_loader only"):
