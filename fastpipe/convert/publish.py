@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 from dataclasses import replace
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from fastpipe.cache import default_cache_dir
 from fastpipe.cachefiles import private_folder
+from fastpipe.convert import readers
 from fastpipe.convert.journal import journal_name, journal_shards
 from fastpipe.errors import ConfigError
 from fastpipe.manifest import MANIFEST_NAME, load
@@ -178,15 +180,11 @@ def index_to_url(cfg, index_shards, storage_options: dict | None = None):
 
 def _users_reader_files(remote: Remote) -> list[str]:
     """Reader files (convert/readers.py) in the store that no dataset.json of ours there lists: the user's."""
-    import json
-
-    from fastpipe.convert.readers import names
-
     ours = []
     if remote.exists(MANIFEST_NAME):
         with contextlib.suppress(ValueError, AttributeError, TypeError):
             ours = list(json.loads(remote.cat(MANIFEST_NAME)).get("outputs", {}).get("readers", []))
-    return [n for n in names(("train", "val")) if n not in ours and remote.exists(n)]
+    return [n for n in readers.names(("train", "val")) if n not in ours and remote.exists(n)]
 
 
 def index_only_urls(urls: list[str], storage_options: dict | None = None) -> int:
