@@ -198,6 +198,15 @@ def check_remote() -> list[Check]:
     return checks + [_probe_endpoint(*e) for e in _endpoints()]
 
 
+def check_tensorboard() -> Check:
+    """Optional: with TensorBoard installed, every training run also writes event files (train/board.py)."""
+    version = _dist_version("tensorboard")
+    if version is None:
+        return Check("OK", "tensorboard", "not installed (optional): runs keep their own records only",
+                     "to see runs in TensorBoard (tensorboard --logdir runs/): pip install -e '.[tensorboard]'")
+    return Check("OK", "tensorboard", f"{version}: runs also write event files (tensorboard --logdir runs/)")
+
+
 def _endpoints() -> list[tuple[str, str, str]]:
     """(variable, endpoint, scheme) for each store endpoint the environment names: an S3-compatible store, a GCS
     emulator, an Azure connection string's blob endpoint (only that part of it: the string holds the key)."""
@@ -230,7 +239,7 @@ def _probe_endpoint(variable: str, endpoint: str, scheme: str) -> Check:
 def collect() -> list[Check]:
     gpus = nvidia_smi()
     return [check_python(), *check_torch(gpus), check_driver(gpus), *check_packages(), check_dali(),
-            *check_pillow(), check_decoder(), check_cpu(), check_shm(), *check_remote()]
+            *check_pillow(), check_decoder(), check_cpu(), check_shm(), *check_remote(), check_tensorboard()]
 
 
 def run_doctor() -> int:

@@ -95,8 +95,8 @@ class Manifest:
     settings: dict = field(default_factory=dict)
     components: Components = Components()
     root: Path = Path(".")  # the folder holding dataset.json; not serialised
-    # Files written beside the shards, by kind: {"previews": {class: file}, "rejected": file}. With the shard list,
-    # this is what fastpipe owns in the folder (and the only thing `--overwrite` removes).
+    # Files written beside the shards, by kind: {"previews": {class: file}, "rejected": file, "readers": [file]}.
+    # With the shard list, this is what fastpipe owns in the folder (and the only thing `--overwrite` removes).
     outputs: dict = field(default_factory=dict)
     # "single": one class per image; "multilabel": a set of labels per image (class_counts then count positives)
     task: str = "single"
@@ -288,6 +288,9 @@ class _Check:
             self.inside(v, f"outputs.previews[{k!r}]")
         if "rejected" in out:
             self.inside(out["rejected"], "outputs.rejected")
+        self.expect(isinstance(out.get("readers", []), list), "outputs.readers", "a list of file names", out)
+        for i, v in enumerate(out.get("readers", [])):
+            self.inside(v, f"outputs.readers[{i}]")
         return out
 
     def stats(self, st, splits: dict[str, SplitInfo], d: dict) -> Stats:
@@ -310,7 +313,8 @@ class _Check:
             self.expect(isinstance(given, list) and len(given) == 3 and all(
                 isinstance(x, (int, float)) and math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-9)
                 for x, y in zip(given, derived)), name, f"what its stats give ({shown}): a hand edit of mean/std is "
-                f"not used (fastpipe normalises with the stored train images' statistics)", given)
+                f"not used (fastpipe normalises with the stored train images' statistics; for others: --normalize "
+                f"imagenet or M1,M2,M3:S1,S2,S3 in train and bench, normalize= in make_loader)", given)
         return stats
 
 

@@ -101,6 +101,55 @@ def amp_for(amp: str | None, cuda: bool) -> str:
     return amp or ("fp16" if cuda else "off")
 
 
+# -- normalisation ---------------------------------------------------------------------------------------------
+# The mean/std torchvision's and timm's ImageNet weights were trained with (0-1 scale, RGB).
+IMAGENET_MEAN_STD = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+NORMALIZE_FORMS = ("dataset (the data set's own mean/std), imagenet (what ImageNet weights were trained with) or "
+                   "M1,M2,M3:S1,S2,S3 (per-channel mean and std on the 0-1 scale)")
+
+
+def parse_normalize(value):
+    """The normalisation setting, as typed or given in Python, in one form: "dataset", "imagenet" or the text
+    "M1,M2,M3:S1,S2,S3"; also False (uint8 output, the loaders only). True and a (mean, std) pair are accepted."""
+    if value is True or value == "dataset":
+        return "dataset"
+    if value is False or value == "imagenet":
+        return value
+    given = value
+    if isinstance(value, str):
+        value = value.split(":") if value.count(":") == 1 else None
+    try:
+        mean, std = ([float(x) for x in (part.split(",") if isinstance(part, str) else part)] for part in value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"--normalize {given!r}: use {NORMALIZE_FORMS}") from None
+    if len(mean) != 3 or len(std) != 3 or not all(math.isfinite(x) for x in mean + std):
+        raise ConfigError(f"--normalize {given!r}: needs three finite means and three stds, one per channel (R,G,B): "
+                          f"use {NORMALIZE_FORMS}")
+    if not all(0 <= m <= 1 for m in mean) or not all(0 < s <= 1 for s in std):
+        raise ConfigError(f"--normalize {normalize_text(mean, std)}: mean and std are on the 0-1 scale, means "
+                          f"within 0..1 and stds within 0..1 and above 0 (ImageNet's: "
+                          f"{normalize_text(*IMAGENET_MEAN_STD)}, or say imagenet)")
+    return normalize_text(mean, std)
+
+
+def normalize_text(mean, std) -> str:
+    """Mean and std as the setting's text form (exact: each number's shortest repr)."""
+    return ",".join(repr(float(x)) for x in mean) + ":" + ",".join(repr(float(x)) for x in std)
+
+
+def normalization(value, dataset_mean, dataset_std) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """The (mean, std) a normalisation setting means for a data set with these statistics; None for uint8."""
+    value = parse_normalize(value)
+    if value is False:
+        return None
+    if value == "dataset":
+        return tuple(dataset_mean), tuple(dataset_std)
+    if value == "imagenet":
+        return IMAGENET_MEAN_STD
+    mean, std = value.split(":")
+    return tuple(float(x) for x in mean.split(",")), tuple(float(x) for x in std.split(","))
+
+
 def parse_onoff(text):
     if isinstance(text, bool) or text is None:
         return text

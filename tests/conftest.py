@@ -28,7 +28,11 @@ def has_dali() -> bool:
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
     skip_dali = pytest.mark.skip(reason="needs NVIDIA DALI (pip install 'fastpipe[dali-cu13]')")
+    skip_slow = pytest.mark.skip(reason="slow: run with -m slow")
+    slow_asked = "slow" in (config.getoption("-m") or "")
     for item in items:
+        if "slow" in item.keywords and not slow_asked:
+            item.add_marker(skip_slow)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
         if "dali" in item.keywords and not has_dali():

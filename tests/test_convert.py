@@ -40,6 +40,27 @@ def tree_bytes(out: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(out.glob("*.tar")) + sorted(out.glob("*.idx"))}
 
 
+READERS = ["_info.json", "wids-train.json", "wids-val.json"]
+
+
+def readers_bytes(out: Path) -> dict[str, bytes]:
+    return {n: (out / n).read_bytes() for n in READERS}
+
+
+def check_readers(out: Path) -> None:
+    """timm's info and the wids descriptors are written, listed as fastpipe's, and describe the shards as
+    dataset.json does."""
+    m = load(out)
+    assert sorted(m.outputs["readers"]) == READERS
+    info = json.loads((out / "_info.json").read_text())["splits"]
+    for name, sp in m.splits.items():
+        assert info[name] == {"name": name, "num_samples": sp.samples, "filenames": [s.path for s in sp.shards],
+                              "shard_lengths": [s.samples for s in sp.shards]}
+        wids = json.loads((out / f"wids-{name}.json").read_text())
+        assert wids["wids_version"] == 1
+        assert [(d["url"], d["nsamples"]) for d in wids["shardlist"]] == [(s.path, s.samples) for s in sp.shards]
+
+
 def test_folder_conversion_writes_everything(folder, tmp_path):
     out = tmp_path / "out"
     summary = shard(cfg(folder, out, val_fraction=0.25))
@@ -178,6 +199,7 @@ def test_two_runs_give_identical_bytes_whatever_the_workers(folder, tmp_path):
     shard(cfg(folder, tmp_path / "b", max_shard_size=64 * 1024, workers=2))
     a, b = tree_bytes(tmp_path / "a"), tree_bytes(tmp_path / "b")
     assert len(a) > 2 and a == b
+    assert readers_bytes(tmp_path / "a") == readers_bytes(tmp_path / "b")
     # previews too: drawn in the main process with one worker, by the pool with two
     sheets = [{p.name: p.read_bytes() for p in (tmp_path / x / "previews").iterdir()} for x in "ab"]
     assert len(sheets[0]) == 3 and sheets[0] == sheets[1]
@@ -198,7 +220,8 @@ def test_rerun_is_a_no_op_and_other_settings_need_overwrite(folder, tmp_path):
 
 def test_killed_run_resumes_to_identical_bytes(tmp_path):
     src = make_folder(tmp_path / "src", {"red": 50, "green": 50, "blue": 50}, size=(800, 600))
-    args = [str(src), "--short-side", "96", "--max-shard-size", "64KB", "--workers", "1"]
+    # shards cut by size and by --min-shards' equal sample counts: a resumed run cuts both where the first did
+    args = [str(src), "--short-side", "96", "--max-shard-size", "64KB", "--min-shards", "4", "--workers", "1"]
     clean = tmp_path / "clean"
     assert subprocess.run([sys.executable, "-m", "fastpipe", "shard", *args[:1], str(clean), *args[1:]],
                           capture_output=True).returncode == 0
@@ -211,9 +234,10 @@ def test_killed_run_resumes_to_identical_bytes(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (out / "dataset.json").exists(), "the run finished before it could be killed"
-    rerun = shard(cfg(src, out, short_side=96, max_shard_size=64 * 1024))
+    rerun = shard(cfg(src, out, short_side=96, max_shard_size=64 * 1024, min_shards=4))
     assert 0 < rerun.converted_now < 150
     assert tree_bytes(out) == tree_bytes(clean)
+    assert readers_bytes(out) == readers_bytes(clean)
     assert not list(out.glob("*.tmp")) and not list(out.glob(".fastpipe-progress*"))
 
 
@@ -414,6 +438,7 @@ def test_parts_then_merge_equal_one_run(tmp_path):
     assert sorted(p.name for p in (out / "previews").iterdir()) == ["blue.jpg", "green.jpg", "red.jpg"]
     assert set(load(out).outputs["previews"]) == {"red", "green", "blue"}
     assert "preview_candidates" not in load(out).outputs
+    check_readers(out)  # written by the merge, from every part's shards
 
 
 def test_merged_previews_are_a_uniform_sample_of_each_class():
@@ -540,6 +565,68 @@ def test_index_adopts_webdataset_shardwriter_output(tmp_path):
         assert len(read_index(out / s.index)) == s.samples
     report = inspect(out, verify=True)
     assert report.ok, report.problems
+    check_readers(out)
+
+
+def test_index_keeps_a_timm_info_file_the_user_wrote(tmp_path):
+    from fastpipe.convert.foreign import IndexConfig, index_shards
+
+    out = tmp_path / "foreign"
+    tars = _foreign_set(out)
+    (out / "_info.json").write_text('{"splits": {}}')
+    with pytest.warns(UserWarning, match="_info.json was not written by fastpipe: kept"):
+        m = index_shards(IndexConfig(tars))
+    assert (out / "_info.json").read_text() == '{"splits": {}}' and m.outputs["readers"] == ["wids-train.json"]
+    assert json.loads((out / "wids-train.json").read_text())["shardlist"][0]["url"] == "part-000.tar"
+
+
+# -- the shard layout and the files other readers need ------------------------------------------------------
+def test_each_split_is_cut_into_eight_shards_unless_the_shard_size_is_given(tmp_path):
+    src = make_folder(tmp_path / "src", {"red": 20, "green": 12, "blue": 8})
+    summary = shard(cfg(src, tmp_path / "auto", val_fraction=0.25))
+    m = load(tmp_path / "auto")
+    for name, n in (("train", 30), ("val", 10)):
+        counts = [s.samples for s in m.splits[name].shards]
+        assert len(counts) == 8 and sum(counts) == n and max(counts) - min(counts) <= 1
+    assert "shards: train 8, val 8 (each split cut into at least 8 (--min-shards)" in "\n".join(summary.lines())
+    check_readers(tmp_path / "auto")
+    fixed = shard(cfg(src, tmp_path / "fixed", val_fraction=0.25, max_shard_size=1024**2))
+    assert [len(sp.shards) for sp in load(tmp_path / "fixed").splits.values()] == [1, 1]
+    text = "\n".join(fixed.lines())
+    assert "shards: train 1, val 1 (up to 1MB each (--max-shard-size))" in text and "--min-shards 8 cuts" in text
+    both = shard(cfg(src, tmp_path / "both", val_fraction=0.25, max_shard_size=1024**2, min_shards=3))
+    assert [len(sp.shards) for sp in load(tmp_path / "both").splits.values()] == [3, 3]
+    assert not any("--min-shards 8 cuts" in n for n in both.notes)
+
+
+def test_parts_of_the_default_layout_merge_into_at_least_eight_shards_per_split(tmp_path):
+    src = make_folder(tmp_path / "src", {"red": 20, "green": 12, "blue": 8})
+    out = tmp_path / "parts"
+    for i in range(3):
+        shard(cfg(src, out, parts=3, part=i, val_fraction=0.25))
+    assert not any((out / n).exists() for n in READERS)  # a part is not a data set: the merge writes them
+    from fastpipe.convert.merge import merge_parts
+
+    merged = merge_parts(out)
+    assert [len(sp.shards) >= 8 for sp in merged.splits.values()] == [True, True]
+    check_readers(out)
+    (out / "wids-val.json").write_text("edited")  # a rerun of the merge rewrites its own files
+    merge_parts(out)
+    check_readers(out)
+
+
+def test_reader_files_are_fastpipes_to_replace_and_a_users_stops_the_run(folder, tmp_path):
+    out = tmp_path / "out"
+    shard(cfg(folder, out, val_fraction=0.25))
+    check_readers(out)
+    shard(cfg(folder, out, val_fraction=0.5, overwrite=True))  # other settings: other shards, the files follow
+    check_readers(out)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "wids-train.json").write_text("the user's")
+    with pytest.raises(ConfigError, match=r"did not write but would overwrite \(wids-train\.json\)"):
+        shard(cfg(folder, mine, overwrite=True))
+    assert (mine / "wids-train.json").read_text() == "the user's"
 
 
 def test_inspect_verify_finds_a_damaged_shard(tmp_path, folder):

@@ -16,6 +16,7 @@ from conftest import make_folder
 
 from fastpipe import make_loader
 from fastpipe.convert.driver import ShardConfig, shard
+from fastpipe.errors import ConfigError
 from fastpipe.loaders.epoch import TrainOrder, batches_per_epoch, step_slice, val_batches, worker_batches
 from fastpipe.loaders.shards import ShardError
 from fastpipe.manifest import load
@@ -59,6 +60,30 @@ def test_contract_on_every_backend(converted, backend, split):
 def test_uint8_output(converted, backend):
     x, _ = next(iter(make_loader(converted, backend, split="val", normalize=False, num_workers=0, **KW)))
     assert x.dtype == torch.uint8 and x.is_contiguous(memory_format=torch.channels_last) and x.max() > 100
+
+
+@pytest.mark.parametrize("normalize,expected", [
+    ("dataset", None), (True, None), ("imagenet", ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))),
+    (((0.5, 0.4, 0.3), (0.2, 0.25, 0.3)), ((0.5, 0.4, 0.3), (0.2, 0.25, 0.3))),
+    ("0.5,0.4,0.3:0.2,0.25,0.3", ((0.5, 0.4, 0.3), (0.2, 0.25, 0.3)))])
+def test_images_are_normalised_with_the_statistics_asked_for(converted, normalize, expected):
+    """The data set's own (the default), ImageNet's (for weights trained on it) or the user's, on the same images;
+    the loader's description (a run's config.json) says which numbers it used."""
+    mean, std = expected or (load(converted).mean, load(converted).std)
+    raw, _ = next(iter(make_loader(converted, split="val", normalize=False, num_workers=0, **KW)))
+    loader = make_loader(converted, split="val", normalize=normalize, num_workers=0, **KW)
+    x, _ = next(iter(loader))
+    want = (raw.float() / 255 - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+    assert torch.allclose(x, want, atol=1e-4)
+    assert loader.describe()["normalization"] == {"mean": tuple(mean), "std": tuple(std)}
+
+
+@pytest.mark.parametrize("bad,says", [("imgnet", "use dataset .*, imagenet"), ("0.5,0.5:0.2,0.2", "three"),
+                                      ("123.7,116.3,103.5:58.4,57.1,57.4", "0-1 scale.*imagenet"),
+                                      (((0.5,) * 3, (0.0,) * 3), "above 0")])
+def test_a_normalisation_that_is_not_one_is_refused_with_the_forms(converted, bad, says):
+    with pytest.raises(ConfigError, match=says):
+        make_loader(converted, split="val", normalize=bad, num_workers=0, **KW)
 
 
 def test_backends_agree_on_val_images(converted):

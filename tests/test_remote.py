@@ -631,6 +631,8 @@ def test_parts_into_a_bucket_then_merge_there(folder, tmp_path, s3_bucket, monke
     assert sorted(merged.outputs["previews"]) == sorted(local.classes)
     assert all(remote.cat(f)[:2] == b"\xff\xd8" for f in merged.outputs["previews"].values())  # JPEGs
     assert remote.cat("rejected.jsonl") == (tmp_path / "local" / "rejected.jsonl").read_bytes()
+    for name in ("_info.json", "wids-train.json", "wids-val.json"):  # other readers' files, written by the merge
+        assert remote.cat(name) == (tmp_path / "local" / name).read_bytes()
     for split in ("train", "val"):
         keys, labels, _ = epoch(make_loader(url, split=split, num_workers=0, **KW))
         assert (keys, labels) == epoch(make_loader(tmp_path / "local", split=split, num_workers=0, **KW))[:2]
@@ -656,6 +658,8 @@ def test_index_adopts_foreign_shards_in_a_bucket(tmp_path, s3_bucket, monkeypatc
     tars = webdataset_shards(local, count=15, per_shard=6)
     bucket = Remote("s3://leafs/foreign")
     bucket.put_many([(t, t.name) for t in tars])
+    (tmp_path / "theirs.json").write_text('{"splits": {}}')  # timm's info of the tool that wrote the shards
+    bucket.put_many([(tmp_path / "theirs.json", "_info.json")])
     urls = [f"s3://leafs/foreign/{t.name}" for t in tars]
     assert main(["index", *urls[:2], "--val", urls[2]]) == 0
     assert "-> s3://leafs/foreign/dataset.json" in capsys.readouterr().out
@@ -663,6 +667,9 @@ def test_index_adopts_foreign_shards_in_a_bucket(tmp_path, s3_bucket, monkeypatc
     for t in tars:
         assert bucket.cat(t.name) == t.read_bytes()  # the shards are not rewritten
         assert bucket.cat(t.with_suffix(".idx").name) == t.with_suffix(".idx").read_bytes()
+    assert bucket.cat("_info.json") == b'{"splits": {}}'  # the user's, kept; the wids descriptors are fastpipe's
+    assert [bucket.cat(n) for n in ("wids-train.json", "wids-val.json")] == [
+        (local / n).read_bytes() for n in ("wids-train.json", "wids-val.json")]
     assert not any((tmp_path / "cache" / "staging").iterdir())
     for split in ("train", "val"):
         remote = epoch(make_loader("s3://leafs/foreign", split=split, num_workers=0, **KW))

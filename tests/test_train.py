@@ -15,12 +15,13 @@ from torch import nn
 
 from fastpipe.errors import ConfigError
 from fastpipe.manifest import load
-from fastpipe.train.config import TrainConfig, image_size_for_epoch
+from fastpipe.options import IMAGENET_MEAN_STD, normalize_text
+from fastpipe.train.config import TrainConfig, image_size_for_epoch, resumed_config
 from fastpipe.train.loop import Dist, Trainer, TrainingStopped, make_schedule
 from fastpipe.train.memory import MemoryConfig, analyse, optimizer_state_factor, static_bytes
 from fastpipe.train.models import build_model
 from fastpipe.train.runs import format_runs, list_runs
-from fastpipe.train.session import train
+from fastpipe.train.session import resolve, train
 
 FAST = dict(model="resnet18", batch_size=8, image_size=32, workers=1, device="cpu", log_every=2,
             warmup_epochs=0.5)
@@ -53,6 +54,11 @@ def test_short_run_learns_and_records_everything(converted, tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["epochs_done"] == 3
     assert (run / "curves.png").stat().st_size > 5000 and (run / "confusion.png").stat().st_size > 3000
+    # from scratch: the data set's own statistics, recorded in the run and with the weights
+    m = load(converted)
+    assert config["train"]["normalize"] == "dataset"
+    assert config["normalization"] == {"setting": "dataset", "mean": list(m.mean), "std": list(m.std)}
+    assert torch.load(run / "last.pt", weights_only=True)["normalize"] == normalize_text(m.mean, m.std)
     rows = list_runs(tmp_path / "runs")
     assert rows[0]["run"] == "a" and "val acc" in format_runs(rows)
 
@@ -295,6 +301,44 @@ def test_every_invocation_of_a_run_is_in_its_history_and_no_epoch_is_logged_twic
     assert summary["epochs_done"] == 3
 
 
+def test_tensorboard_shows_every_step_once_across_resumed_invocations(converted, tmp_path):
+    """The scalars and pictures of a run, read back with TensorBoard's own reader. The last invocation resumes from
+    a checkpoint older than what was logged (a kill between a log line and the next save): the steps it trains
+    again replace the old ones instead of being drawn twice."""
+    ea = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    from fastpipe.train.runs import Run
+    from fastpipe.train.session import train_from_cli
+
+    out = tmp_path / "tb"
+    train(cfg(converted, out, epochs=2, stop_after=1, workers=0, log_every=1))
+    after_first = (out / "last.pt").read_bytes()
+    train_from_cli({"data": str(converted), "out": str(out), "resume": True})
+    (out / "last.pt").write_bytes(after_first)  # as if killed after logging epoch 2, before saving it
+    train_from_cli({"data": str(converted), "out": str(out), "resume": True})
+    assert len(list(out.glob("events.out.tfevents.*"))) == 3
+    acc = ea.EventAccumulator(str(out), size_guidance={ea.SCALARS: 0, ea.IMAGES: 0})
+    acc.Reload()
+    logged = [m for m in Run(out).metrics() if m.get("kind") == "step"]
+    steps = [e.step for e in acc.Scalars("train/loss")]
+    assert steps == [m["step"] for m in logged] == sorted(set(steps))  # each step once, in order
+    assert [e.value for e in acc.Scalars("train/loss")] == pytest.approx([m["loss"] for m in logged])
+    assert [e.value for e in acc.Scalars("train/lr")] == pytest.approx([m["lr"] for m in logged])
+    per_epoch = epochs(out)
+    for key, tag in (("val_acc", "epoch/val_accuracy"), ("img_per_s", "epoch/images_per_s"),
+                     ("data_wait", "epoch/data_wait_share"), ("train_loss", "epoch/train_loss")):
+        found = acc.Scalars(tag)
+        assert [e.step for e in found] == [m["global_step"] for m in per_epoch], tag
+        assert [e.value for e in found] == pytest.approx([m[key] for m in per_epoch]), tag
+    assert {"curves", "confusion", "per_class"} <= set(acc.Tags()["images"])
+
+
+def test_without_tensorboard_a_run_writes_no_event_files(tmp_path, monkeypatch):
+    from fastpipe.train.board import open_board
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # what Python does when it isn't installed
+    assert open_board(tmp_path, None) is None and not list(tmp_path.iterdir())
+
+
 # -- how a run ends, and resuming it safely ----------------------------------------------------------------
 def _summary(run: Path) -> dict:
     return json.loads((run / "summary.json").read_text())
@@ -337,6 +381,37 @@ def test_ctrl_c_and_sigterm_leave_a_summary_and_the_resume_command(converted, tm
     assert _summary(out)["status"] == "finished"
 
 
+def test_fine_tuning_normalises_as_the_weights_were_trained(converted, tmp_path, capsys):
+    """--pretrained torchvision weights: ImageNet's statistics; weights of a fastpipe run: the ones it recorded;
+    --normalize says otherwise; a run recorded before the setting resumes with the data set's, as it ran."""
+    cpu = torch.device("cpu")
+    torch.save(build_model("resnet18", 5).state_dict(), tmp_path / "torchvision.pt")
+    weights = str(tmp_path / "torchvision.pt")
+    assert resolve(TrainConfig(data="."), cpu).normalize == "dataset"
+    assert resolve(TrainConfig(data=".", pretrained=weights, normalize="dataset"), cpu).normalize == "dataset"
+    run = train(cfg(converted, tmp_path / "ft", epochs=1, pretrained=weights))
+    assert "--pretrained: inputs normalised as the weights were trained (imagenet: mean 0.485, 0.456, 0.406" \
+        in capsys.readouterr().out
+    config = json.loads((run / "config.json").read_text())
+    assert config["train"]["normalize"] == "imagenet"
+    assert config["normalization"]["mean"] == [0.485, 0.456, 0.406] == config["loader"]["normalization"]["mean"]
+    assert torch.load(run / "last.pt", weights_only=True)["normalize"] == normalize_text(*IMAGENET_MEAN_STD)
+    assert resolve(TrainConfig(data=".", pretrained=str(run / "last.pt")), cpu).normalize == \
+        normalize_text(*IMAGENET_MEAN_STD)
+    torch.save({"model": {}, "normalize": "bogus"}, tmp_path / "damaged.pt")
+    with pytest.raises(ConfigError, match=r"damaged\.pt: its recorded normalisation 'bogus' is not one"):
+        resolve(TrainConfig(data=".", pretrained=str(tmp_path / "damaged.pt")), cpu)
+    from fastpipe.cli import main
+
+    with pytest.raises(SystemExit) as e:  # refused by the flag's parser, before anything starts
+        main(["train", str(converted), "--normalize", "imgnet"])
+    assert e.value.code == 2 and "--normalize 'imgnet': use dataset" in capsys.readouterr().err
+    old = {"data": ".", "pretrained": weights, "out": "r"}  # config.json of a run from before the setting
+    assert resumed_config(old, {}, "r").normalize == "dataset"
+    with pytest.raises(ConfigError, match="uint8 images are for make_loader only"):
+        TrainConfig(data=".", normalize=False)
+
+
 def test_resume_uses_the_saved_settings_and_refuses_others(converted, tmp_path, capsys):
     from fastpipe.cli import main
 
@@ -350,6 +425,8 @@ def test_resume_uses_the_saved_settings_and_refuses_others(converted, tmp_path, 
     assert "--model resnet50 (the run has resnet18)" in err and len(err) < 600  # not a state_dict dump
     assert main(["train", str(converted), "--out", str(out), "--resume", "--batch-size", "16"]) == 2
     assert "--batch-size 16 (the run has 8)" in capsys.readouterr().err
+    assert main(["train", str(converted), "--out", str(out), "--resume", "--normalize", "imagenet"]) == 2
+    assert "--normalize imagenet (the run has dataset)" in capsys.readouterr().err
     assert (out / "config.json").read_text() == config  # a refused resume leaves the record as it was
     assert main(["train", str(converted), "--resume"]) == 2
     assert "--resume needs --out" in capsys.readouterr().err

@@ -5,7 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from fastpipe.loaders import BACKEND_NAMES
-from fastpipe.options import MAX_IMAGE_SIZE, amp_for, check, opt, parse_onoff, parse_workers
+from fastpipe.options import (
+    MAX_IMAGE_SIZE,
+    NORMALIZE_FORMS,
+    amp_for,
+    check,
+    opt,
+    parse_normalize,
+    parse_onoff,
+    parse_workers,
+)
+from fastpipe.train.config import train_normalize
 from fastpipe.urls import check_location
 
 CPU_BUDGET = 300.0  # seconds for a whole bench on a CPU unless --max-seconds says otherwise
@@ -27,6 +37,8 @@ class BenchConfig:
     channels_last: bool | None = opt(None, "channels_last memory format (default: on CUDA)")
     augment: str | None = opt(None, "augmentation on the device, as `fastpipe train --augment` (its share of a "
                                     "step is measured too)")
+    normalize: str = opt("dataset", f"input normalisation, as `fastpipe train --normalize`: {NORMALIZE_FORMS}",
+                         parse=parse_normalize)
     steps: int = opt(20, "timed steps per window", low=1, high=1_000_000)
     windows: int = opt(3, "timing windows per measurement (the median is reported)", low=1, high=100)
     warmup: int = opt(3, "untimed steps before each measurement", low=0, high=10_000)
@@ -38,6 +50,7 @@ class BenchConfig:
                                           f"on CUDA); each measurement gets an equal share", above=0, high=1e6)
 
     def __post_init__(self):
+        object.__setattr__(self, "normalize", train_normalize(self.normalize))  # its forms in one (a pair: text)
         check(self)
         check_location(self.data)
 

@@ -47,7 +47,7 @@ def _trainer(cfg: BenchConfig, num_classes: int) -> Trainer:
 
 def _loader(cfg: BenchConfig, manifest, backend: str):
     lc = LoaderConfig(backend=backend, split="train", batch_size=cfg.batch_size, image_size=cfg.image_size,
-                      device=cfg.device, num_workers=cfg.workers, pin_memory=cfg.pin_memory,
+                      device=cfg.device, num_workers=cfg.workers, pin_memory=cfg.pin_memory, normalize=cfg.normalize,
                       augment=cfg.augment if backend != "synthetic" else None)
     return make_loader_from(manifest, lc)
 

@@ -1,7 +1,8 @@
 """`fastpipe shard`: the parallel conversion driver.
 
 Workers decode/resize/encode; the main process writes shards in plan order (an ordered `imap`), so output is
-deterministic whatever the worker count. plan.py: the plan, journal.py: resuming, outputs.py: what a run may write.
+deterministic whatever the worker count. config.py: the settings, plan.py: the plan, journal.py: resuming,
+outputs.py: what a run may write, readers.py: the files other readers need.
 """
 
 from __future__ import annotations
@@ -9,92 +10,31 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from tqdm import tqdm
 
 from fastpipe import __version__
-from fastpipe.convert import images, outputs, plan, previews, publish
+from fastpipe.convert import images, outputs, plan, previews, publish, readers
+from fastpipe.convert.config import SPLITS, ConvertError, ShardConfig
 from fastpipe.convert.journal import Journal, SplitProgress, journal_name
 from fastpipe.convert.sources import Rejection, discover
-from fastpipe.convert.summary import Summary
+from fastpipe.convert.summary import Summary, describe_layout
 from fastpipe.convert.workers import Workers
 from fastpipe.convert.writer import ShardWriter
-from fastpipe.errors import ConfigError
 from fastpipe.manifest import Components, Manifest, SplitInfo, Stats
-from fastpipe.options import SEED_MAX, check, opt, parse_procs, parse_size
 from fastpipe.shardformat import encode_label
 from fastpipe.storage import is_url
-from fastpipe.urls import check_location
 from fastpipe.util import (
     FileTooLarge,
     FolderLock,
     NotRegularFile,
-    local_path,
     read_regular,
     usable_cores,
     write_json_atomic,
     write_jsonl_atomic,
 )
-
-SPLITS = ("train", "val")
-
-
-class ConvertError(ConfigError):
-    """A conversion that can't start: bad arguments, or an OUT that holds other work."""
-
-
-@dataclass(frozen=True)
-class ShardConfig:
-    src: Path = opt(None, "folder of class folders (optionally train/ and val/), or a CSV/TXT list", positional=True)
-    out: Path = opt(None, "output folder, or a URL to upload to (s3://bucket/prefix, gs://, az://)", positional=True)
-    short_side: int = opt(320, "stored shorter side in pixels, never upscaled", low=8, high=65535)
-    quality: int = opt(90, "JPEG quality of the stored images", low=1, high=100)
-    val_fraction: float = opt(0.1, "stratified validation share (ignored when SRC has train/ and val/ folders)",
-                              low=0, below=1)
-    seed: int = opt(0, "seed for split and shuffle", low=0, high=SEED_MAX)
-    max_shard_size: int = opt(256 * 1024**2, "shard size limit, e.g. 256MB, 64MB", parse=parse_size, low=64 * 1024,
-                               high=1024**4)
-    max_pixels: int = opt(200_000_000, "refuse larger images (decompression-bomb guard)", low=1)
-    max_file_size: int = opt(1024**3, "refuse larger files, e.g. 1GB", parse=parse_size, low=1)
-    workers: int | None = opt(None, "processes: a number (0 = in this process) or auto (every core)",
-                              parse=parse_procs, low=0, high=1024)
-    overwrite: bool = opt(False, "replace a conversion made with other settings (removes only files fastpipe "
-                                 "wrote)")
-    part: int = opt(0, "this part's number, for cluster array jobs", low=0)
-    parts: int = opt(1, "number of independent parts (then: fastpipe merge)", low=1, high=100_000)
-
-    def settings(self) -> dict:
-        """Everything that changes the output bytes (workers and overwrite don't)."""
-        return {"source": str(Path(self.src).resolve()), "short_side": self.short_side,
-                "quality": self.quality, "val_fraction": self.val_fraction, "seed": self.seed,
-                "max_shard_size": self.max_shard_size, "max_pixels": self.max_pixels,
-                "part": self.part, "parts": self.parts}
-
-    def image_settings(self) -> images.ImageSettings:
-        return images.ImageSettings(self.short_side, self.quality, self.max_pixels)
-
-    def __post_init__(self):
-        # Paths given as text (the API, the CLI) become Paths; a URL is refused here, before anything is created.
-        object.__setattr__(self, "src", local_path(self.src, "SRC"))
-        object.__setattr__(self, "out", check_location(self.out, "OUT") if is_url(self.out) else
-                           local_path(self.out, "OUT"))
-        check(self)
-
-    def validate(self) -> None:
-        """What one setting's range cannot say (each setting's own range is checked when the config is built)."""
-        if not self.part < self.parts:
-            raise ConvertError(f"--part {self.part} --parts {self.parts}: need 0 <= part < parts")
-
-    @property
-    def suffix(self) -> str:
-        return "" if self.parts == 1 else f".part-{self.part:03d}-of-{self.parts:03d}"
-
-    @property
-    def prefixes(self) -> list[str]:
-        return [n if self.parts == 1 else f"{n}-{self.part:03d}" for n in SPLITS]
-
 
 # -- worker side -------------------------------------------------------------------------------------
 _SETTINGS: tuple[images.ImageSettings, int] | None = None
@@ -120,8 +60,13 @@ def _convert_one(path: str) -> images.Encoded | images.Rejected:
 
 # -- main side ---------------------------------------------------------------------------------------
 def _sample_parts(enc: images.Encoded, sample: plan.Sample, classes) -> dict[str, bytes]:
+    """The sample's members. Its `.json` has the same fields and types in every sample (readers that infer a
+    schema from the first few, as Hugging Face datasets does, would type an empty label list as a list of nulls and
+    then fail on the first real one): for multi-label data the multi-hot `labels` in class order and the names
+    joined by ';' ("" for none)."""
     if isinstance(sample.label, tuple):
-        named = {"classes": [classes[k] for k in sample.label], "labels": list(sample.label)}
+        hot = [int(k in sample.label) for k in range(len(classes))]
+        named = {"classes": ";".join(classes[k] for k in sample.label), "labels": hot}
     else:
         named = {"class": classes[sample.label], "label": sample.label}
     meta = {"path": sample.path, **named, "orig_size": list(enc.orig_size), "size": list(enc.size)}
@@ -132,14 +77,17 @@ def _sample_parts(enc: images.Encoded, sample: plan.Sample, classes) -> dict[str
 class _SplitRun:
     """Writes one split's samples, journaling each shard with the samples, stats and rejections it closes."""
 
-    def __init__(self, split, samples, cfg, journal, progress: SplitProgress, num_classes):
+    def __init__(self, split, samples, cfg, journal, progress: SplitProgress, num_classes, total: int):
         self.split, self.samples, self.journal = split, samples, journal
+        # --min-shards: a sample's group is its share of the whole split (every part of a cluster job agrees), so
+        # the shards of a split hold equal sample counts, and a resumed run cuts them where the first run did
+        self.groups, self.total = cfg.shard_count, max(total, 1)
         self.progress = progress
         if not progress.counts:
             progress.counts = [0] * num_classes
         self._reset_pending(num_classes)
         prefix = cfg.prefixes[SPLITS.index(split)]
-        self.writer = ShardWriter(cfg.out, prefix, cfg.max_shard_size, len(progress.shards), self._closed)
+        self.writer = ShardWriter(cfg.out, prefix, cfg.shard_bytes, len(progress.shards), self._closed)
         self.pos = progress.end
 
     def _reset_pending(self, k):
@@ -160,7 +108,8 @@ class _SplitRun:
             summary.written_now += 1
             if result.mode != "RGB":
                 summary.modes[result.mode] += 1
-            self.writer.write(f"{sample.pos:08d}", _sample_parts(result, sample, classes))
+            self.writer.write(f"{sample.pos:08d}", _sample_parts(result, sample, classes),
+                              group=sample.pos * self.groups // self.total)
             self.stats = self.stats + Stats(result.size[0] * result.size[1], result.pixel_sum, result.pixel_sumsq)
             for k in sample.label if isinstance(sample.label, tuple) else (sample.label,):
                 self.counts[k] += 1  # multi-label: positives per class
@@ -193,7 +142,8 @@ def _guard(cfg: ShardConfig, fingerprints: tuple[str, str], journal: Journal) ->
         outputs.remove(owned | outputs.temporary_files(cfg.out, cfg.prefixes) | {journal.path,
                        cfg.out / f"dataset{cfg.suffix}.json"})
         owned = set()
-    outputs.refuse_conflicts(cfg.out, outputs.foreign_conflicts(cfg.out, cfg.prefixes, owned))
+    ours = readers.names(SPLITS) if cfg.parts == 1 else []  # a cluster job's are written by its merge
+    outputs.refuse_conflicts(cfg.out, outputs.foreign_conflicts(cfg.out, cfg.prefixes, owned, ours))
     return previous in fingerprints and manifest is not None
 
 
@@ -235,15 +185,19 @@ def _finalize(cfg, source, progress, early: list[Rejection], ids: dict, pool) ->
     if cfg.parts == 1:
         names = previews.contact_sheets(manifest, cfg.out / "previews", seed=cfg.seed, pool=pool)
         manifest.outputs["previews"] = {c: f"previews/{f}" for c, f in names.items()}
+        manifest.outputs["readers"] = readers.write(manifest, cfg.out)
     else:  # a cluster job's previews are drawn at merge time, from every part's uniform sample of each class
         manifest.outputs["preview_candidates"] = previews.candidates(manifest, cfg.seed, cfg.part)
     write_json_atomic(cfg.out / f"dataset{cfg.suffix}.json", manifest.to_dict())
     return manifest
 
 
-def _summarise(summary: Summary, manifest_path: Path, rejected_path: Path) -> Summary:
-    data = json.loads(manifest_path.read_text())
+def _summarise(summary: Summary, cfg: ShardConfig) -> Summary:
+    data = json.loads((cfg.out / f"dataset{cfg.suffix}.json").read_text())
+    rejected_path = cfg.out / f"rejected{cfg.suffix}.jsonl"
     summary.written = {n: sp["samples"] for n, sp in data["splits"].items()}
+    summary.layout, note = describe_layout(cfg, data["splits"])
+    summary.notes += [note] if note else []
     if rejected_path.exists():
         summary.rejected = Counter(json.loads(line)["reason"] for line in rejected_path.read_text().splitlines())
     if len(data["classes"]) < 2:
@@ -277,7 +231,7 @@ def shard(cfg: ShardConfig) -> Summary:
     with FolderLock(cfg.out, f"fastpipe shard {cfg.src} {cfg.out}"):
         _run(cfg, source, summary, start)
     summary.seconds = time.perf_counter() - start
-    return _summarise(summary, cfg.out / f"dataset{cfg.suffix}.json", cfg.out / f"rejected{cfg.suffix}.jsonl")
+    return _summarise(summary, cfg)
 
 
 def _run(cfg: ShardConfig, source, summary: Summary, start: float) -> None:
@@ -303,7 +257,7 @@ def _run(cfg: ShardConfig, source, summary: Summary, start: float) -> None:
         for name in SPLITS:
             p = progress.setdefault(name, SplitProgress())
             if not p.done:
-                run = _SplitRun(name, mine[name], cfg, journal, p, len(source.classes))
+                run = _SplitRun(name, mine[name], cfg, journal, p, len(source.classes), len(ordered[name]))
                 summary.converted_now += _convert_split(name, mine[name], source.root, run, source.classes, pool,
                                                         summary)
         clock.lap("convert")
@@ -315,3 +269,6 @@ def _run(cfg: ShardConfig, source, summary: Summary, start: float) -> None:
     finally:
         if pool is not None:
             pool.terminate()
+
+
+__all__ = ["ConvertError", "ShardConfig", "Summary", "shard"]  # the settings are config.py's, used from here too

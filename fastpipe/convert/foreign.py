@@ -19,7 +19,7 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from fastpipe.convert import outputs, previews
+from fastpipe.convert import outputs, previews, readers
 from fastpipe.errors import ConfigError, DataError
 from fastpipe.manifest import MANIFEST_NAME, Components, Manifest, ShardInfo, SplitInfo, Stats, save
 from fastpipe.options import check, opt
@@ -175,6 +175,14 @@ def _guard(out: Path, shard_paths: set[str], overwrite: bool) -> None:
                           f"to replace the manifest: add --overwrite")
 
 
+def _users_files(out: Path, names: list[str]) -> set[str]:
+    """Reader files in the shards' folder that no manifest of ours lists (timm's `_info.json` of the tool that
+    wrote the shards, say): the user's, kept."""
+    existing, _ = outputs.read_manifest(out / MANIFEST_NAME)
+    owned = outputs.manifest_files(existing) if existing is not None else set()
+    return {p.name for p in outputs.foreign_conflicts(out, [], owned, names)}
+
+
 def index_only(paths: list[Path]) -> int:
     """Write the .idx of each shard (nothing else). Returns the samples indexed."""
     total = 0
@@ -215,5 +223,6 @@ def index_shards(cfg: IndexConfig) -> Manifest:
                             Components(image=image_ext, label=label_ext, label_bin=None, meta=None), out)
         names_ = previews.contact_sheets(manifest, out / "previews")
         manifest.outputs["previews"] = {c: f"previews/{f}" for c, f in names_.items()}
+        manifest.outputs["readers"] = readers.write(manifest, out, keep=_users_files(out, readers.names(splits)))
         save(manifest, out)
     return manifest

@@ -10,8 +10,8 @@ import json
 import re
 from pathlib import Path
 
-from fastpipe.convert import previews
-from fastpipe.manifest import Manifest, ManifestError, SplitInfo, Stats, from_dict, save
+from fastpipe.convert import outputs, previews, readers
+from fastpipe.manifest import MANIFEST_NAME, Manifest, ManifestError, SplitInfo, Stats, from_dict, save
 from fastpipe.storage import is_url
 from fastpipe.util import FolderLock, local_path, write_jsonl_atomic
 
@@ -60,6 +60,7 @@ def merge_in(out: Path, read, where: str | None = None) -> Manifest:
     dataset.json (last) there; the previews' images are got with `read` (previews.draw). `where` names the
     parts' location in messages (a store's URL when `out` is a staging folder)."""
     parts = _parts(out, where)
+    _refuse_foreign_readers(out, parts[0].splits)
     splits = {}
     for name in parts[0].splits:
         shards = tuple(s for m in parts for s in m.splits[name].shards)
@@ -81,8 +82,16 @@ def merge_in(out: Path, read, where: str | None = None) -> Manifest:
         # (local folders only)
         names = previews.contact_sheets(manifest, out / "previews", seed=seed)
     manifest.outputs["previews"] = {c: f"previews/{f}" for c, f in names.items()}
+    manifest.outputs["readers"] = readers.write(manifest, out)
     save(manifest, out)  # last: the merge is complete only when every output is
     return manifest
+
+
+def _refuse_foreign_readers(out: Path, splits) -> None:
+    """The reader files the merge writes must be ours already (an earlier merge lists them) or absent."""
+    previous, _ = outputs.read_manifest(out / MANIFEST_NAME)
+    owned = outputs.manifest_files(previous) if previous is not None else set()
+    outputs.refuse_conflicts(out, outputs.foreign_conflicts(out, [], owned, readers.names(splits)))
 
 
 def _candidates(part: Manifest) -> dict:

@@ -2,10 +2,12 @@
 
 Data safety rules (the converter, `index` and `merge` share them):
 - fastpipe deletes only files its own records say it wrote: the shards and indexes listed in a manifest or the
-  progress journal, the previews and rejection lists a manifest names, and its own temporary files;
+  progress journal, the previews, rejection lists and other readers' files (readers.py) a manifest names, and its
+  own temporary files;
 - a folder holding other work (another conversion, shards adopted with `fastpipe index`, an unreadable manifest) is
   replaced only with --overwrite, and then only the files above go;
-- files fastpipe did not write but would overwrite (a foreign `train-000000.tar`) stop the run, named.
+- files fastpipe did not write but would overwrite (a foreign `train-000000.tar` or `_info.json`) stop the run,
+  named (`index` keeps a reader file of the user's instead: it describes their own shards).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def manifest_files(m) -> set[Path]:
     files |= {m.root / p for p in m.outputs.get("previews", {}).values()}
     if "rejected" in m.outputs:
         files.add(m.root / m.outputs["rejected"])
-    return files
+    return files | {m.root / p for p in m.outputs.get("readers", [])}
 
 
 def journal_files(journal_path: Path) -> set[Path]:
@@ -68,10 +70,11 @@ def temporary_files(out: Path, prefixes: list[str]) -> set[Path]:
     return found | set(out.glob(".*.tmp[0-9]*"))
 
 
-def foreign_conflicts(out: Path, prefixes: list[str], owned: set[Path]) -> list[Path]:
-    """Files with the names this run writes that no record of ours lists."""
+def foreign_conflicts(out: Path, prefixes: list[str], owned: set[Path], names: list[str] = ()) -> list[Path]:
+    """Files with the names this run writes (its shards, and `names`) that no record of ours lists."""
     pats = [shard_pattern(p) for p in prefixes]
-    return sorted(p for p in out.iterdir() if any(r.fullmatch(p.name) for r in pats) and p not in owned)
+    return sorted(p for p in out.iterdir() if (any(r.fullmatch(p.name) for r in pats) or p.name in names)
+                  and p not in owned)
 
 
 def remove(paths: set[Path]) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 from dataclasses import replace
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from fastpipe.cache import default_cache_dir
 from fastpipe.cachefiles import private_folder
+from fastpipe.convert import readers
 from fastpipe.convert.journal import journal_name, journal_shards
 from fastpipe.errors import ConfigError
 from fastpipe.manifest import MANIFEST_NAME, load
@@ -166,13 +168,23 @@ def index_to_url(cfg, index_shards, storage_options: dict | None = None):
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     names = [u.rsplit("/", 1)[1] for u in urls]
-    remote.get_many([(n, staging / n) for n in names])
+    theirs = _users_reader_files(remote)
+    remote.get_many([(n, staging / n) for n in names + theirs])  # theirs: kept by index_shards, as in a folder
     local = replace(cfg, train=[staging / n for n in names[: len(cfg.train)]],
                     val=[staging / n for n in names[len(cfg.train):]])
     index_shards(local)
-    upload(staging, remote, skip=set(names))
+    upload(staging, remote, skip=set(names + theirs))
     shutil.rmtree(staging)
     return load(prefix, storage_options)  # the manifest as the store now has it
+
+
+def _users_reader_files(remote: Remote) -> list[str]:
+    """Reader files (convert/readers.py) in the store that no dataset.json of ours there lists: the user's."""
+    ours = []
+    if remote.exists(MANIFEST_NAME):
+        with contextlib.suppress(ValueError, AttributeError, TypeError):
+            ours = list(json.loads(remote.cat(MANIFEST_NAME)).get("outputs", {}).get("readers", []))
+    return [n for n in readers.names(("train", "val")) if n not in ours and remote.exists(n)]
 
 
 def index_only_urls(urls: list[str], storage_options: dict | None = None) -> int:

@@ -1,11 +1,13 @@
-"""What a conversion tells its user at the end: the files found, written and rejected (by reason), notes, the images
-that changed colour mode, and the time it took."""
+"""What a conversion tells its user at the end: the files found, written and rejected (by reason), the shards per
+split and why, notes, the images that changed colour mode, and the time it took."""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from fastpipe.convert.config import DEFAULT_MIN_SHARDS
 
 MODE_NAMES = {"L": "grayscale", "LA": "grayscale with transparency (flattened onto white)", "1": "black-and-white",
               "RGBA": "with transparency (flattened onto white)", "P": "palette", "CMYK": "CMYK", "YCbCr": "YCbCr",
@@ -26,6 +28,7 @@ class Summary:
     ignored: int = 0
     notes: list[str] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)  # seconds: start (pool), hash, convert, finish
+    layout: str = ""  # shards per split and the rule that chose them
 
     def lines(self) -> list[str]:
         rate = self.converted_now / self.seconds if self.seconds else 0.0
@@ -34,6 +37,7 @@ class Summary:
                + f", rejected {sum(self.rejected.values())}"
                + (f" ({self.ignored} hidden/system files ignored)" if self.ignored else "")]
         out += [f"  rejected {n:>5}  {reason}" for reason, n in sorted(self.rejected.items())]
+        out += [self.layout] if self.layout else []
         out += [f"note: {n}" for n in self.notes]
         if self.up_to_date:
             out.append(f"{self.out} is already complete for these settings: nothing to do")
@@ -44,3 +48,25 @@ class Summary:
                 out.append("converted to RGB: " + ", ".join(f"{n} {MODE_NAMES.get(m, m)}" for m, n in
                                                             sorted(self.modes.items(), key=lambda x: -x[1])))
         return out
+
+
+def _mb(size: int) -> str:
+    return f"{size / 1024**2:g}MB" if size >= 1024**2 else f"{size / 1024:g}KB"
+
+
+def describe_layout(cfg, splits: dict) -> tuple[str, str | None]:
+    """How many shards each split got (dataset.json's splits) and the rule that chose them; and a note when a split
+    has too few for readers that give each worker whole shards, unless the user asked for that."""
+    counts = ", ".join(f"{n} {len(sp['shards'])}" for n, sp in splits.items())
+    if cfg.shard_count > 1:
+        rule = (f"each split cut into at least {cfg.shard_count} (--min-shards), for readers that give each worker "
+                f"whole shards; up to {_mb(cfg.shard_bytes)} each")
+    else:
+        rule = f"up to {_mb(cfg.shard_bytes)} each (--max-shard-size)"
+    few = [n for n, sp in splits.items() if len(sp["shards"]) < min(DEFAULT_MIN_SHARDS, sp["samples"])]
+    if not few or cfg.min_shards is not None or cfg.parts > 1:
+        return f"shards: {counts} ({rule})", None
+    return f"shards: {counts} ({rule})", (
+        f"{' and '.join(few)} {'has' if len(few) == 1 else 'have'} fewer than {DEFAULT_MIN_SHARDS} shards: webdataset, "
+        f"Hugging Face datasets or DALI with several DataLoader workers or GPUs leave some without data (fastpipe's "
+        f"own loaders do not mind); --min-shards {DEFAULT_MIN_SHARDS} cuts every split into {DEFAULT_MIN_SHARDS}")

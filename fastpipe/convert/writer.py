@@ -25,10 +25,12 @@ class _Open:
     offset: int = 0
     samples: int = 0
     idx_lines: list[str] | None = None
+    group: int | None = None
 
 
 class ShardWriter:
-    """Writes `{prefix}-{n:06d}.tar` shards up to `max_bytes`, each with its `.idx`.
+    """Writes `{prefix}-{n:06d}.tar` shards up to `max_bytes`, each with its `.idx`; a sample of another `group`
+    than the shard's first starts a new shard too (the converter's --min-shards).
 
     A shard becomes visible under its final name only once complete (write to `.tmp`, fsync, rename), so an
     interrupted run never leaves a shard that looks finished. `on_close(ShardInfo)` is called after rename.
@@ -46,16 +48,17 @@ class ShardWriter:
         self.next_index += 1
         return _Open(tmp, final, open(tmp, "wb"), hashlib.sha256(), idx_lines=[])
 
-    def write(self, key: str, parts: dict[str, bytes]) -> None:
+    def write(self, key: str, parts: dict[str, bytes], group: int | None = None) -> None:
         """Append one sample (`{key}.{ext}` members in the given order)."""
         size = sample_bytes(parts)
         cur = self.current
-        if cur is not None and cur.samples and cur.offset + size + 2 * BLOCK > self.max_bytes:
+        if cur is not None and cur.samples and (cur.offset + size + 2 * BLOCK > self.max_bytes or group != cur.group):
             self.finish()
             cur = None
         if cur is None:
             with signals_deferred():  # its .tmp file exists only once abort() can find it
                 cur = self.current = self._start()
+            cur.group = group
         fields = []
         for ext, data in parts.items():
             name = f"{key}.{ext}"

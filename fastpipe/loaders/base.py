@@ -3,8 +3,8 @@
 Contract: `len(loader)` batches per epoch on every rank (epoch.py), `set_epoch(e)`, `state_dict()` /
 `load_state_dict()` to stop and resume anywhere in an epoch, and iteration yielding `(images, labels)` (plus
 `keys` with with_keys=True) on the configured device: images NCHW in channels_last memory format, float normalised
-with the data set's own mean/std (or uint8 when normalize=False); labels int64. `loader.stats` describes the last
-epoch.
+with the data set's own mean/std, ImageNet's or the user's (normalize=), or uint8 (normalize=False); labels int64.
+`loader.stats` describes the last epoch.
 
 Host batches travel as uint8 NHWC (4x less traffic than float32), pinned, copied non-blocking on a side CUDA
 stream one batch ahead, and turned into normalised floats on the device (timm's PrefetchLoader idea).
@@ -26,7 +26,7 @@ from fastpipe.loaders.batch import HostBatch, SampleKey
 from fastpipe.loaders.config import LoaderConfig
 from fastpipe.loaders.epoch import batches_per_epoch
 from fastpipe.manifest import Manifest
-from fastpipe.options import check_number
+from fastpipe.options import check_number, normalization
 
 MAX_EPOCH = 1_000_000  # a loader state's epoch beyond this is damage, not a long run
 
@@ -144,7 +144,9 @@ class Loader:
         self._resume: int | None = None  # a loaded position: where the next iteration starts
         self._complete = False  # the last iteration ran to the end of its epoch
         self.stats = LoaderStats()
-        self.step = DeviceStep(self.device, manifest.mean, manifest.std, self.cfg.normalize, self._augment(manifest))
+        self.normalization = normalization(self.cfg.normalize, manifest.mean, manifest.std)  # None: uint8
+        mean, std = self.normalization or (manifest.mean, manifest.std)
+        self.step = DeviceStep(self.device, mean, std, bool(self.cfg.normalize), self._augment(manifest))
         self._start = self._batch_index = 0  # where this iteration started; batches moved since (augmentation keys)
         self.shards = None  # the backends that read shards set a ShardSet (keys, sources)
         _refuse_what_cannot_fit(self.cfg, self.device)
@@ -181,7 +183,8 @@ class Loader:
 
     def describe(self) -> dict:
         """The resolved settings, for run folders and benchmark JSON."""
-        return {"backend": self.name, **asdict(self.cfg), "batches_per_epoch": self.batches}
+        mean_std = dict(zip(("mean", "std"), self.normalization)) if self.normalization else None
+        return {"backend": self.name, **asdict(self.cfg), "normalization": mean_std, "batches_per_epoch": self.batches}
 
     # -- resuming -------------------------------------------------------------------------------------------
     def _identity(self) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fastpipe.errors import ConfigError
-from fastpipe.options import MAX_IMAGE_SIZE, SEED_MAX, check_number
+from fastpipe.options import MAX_IMAGE_SIZE, SEED_MAX, check_number, parse_normalize
 
 SPLITS = ("train", "val")
 # (setting, type, low, high, above, below) of each number a loader takes
@@ -29,7 +29,9 @@ class LoaderConfig:
     world_size: int | None = None
     seed: int = 0
     balance: bool = False  # class-balanced sampling with the manifest's class weights (train only)
-    normalize: bool = True  # float, normalised with the data set's mean/std; False: uint8 0..255
+    # float, normalised with "dataset" (its own mean/std: right from scratch), "imagenet" (what ImageNet weights were
+    # trained with: right for fine-tuning them), or (mean, std) on the 0-1 scale; False: uint8 0..255 (True: dataset)
+    normalize: bool | str | tuple = "dataset"
     on_error: str = "skip"  # a sample that fails to decode: skip and count, or raise
     # train: each shuffle block (epoch.py) mixes at least this many samples of at least two shards
     shuffle_buffer: int = 1000
@@ -59,6 +61,7 @@ class LoaderConfig:
             rank = dist.get_rank() if rank is None else rank
             world = dist.get_world_size() if world is None else world
         cfg = replace(self, device=device, rank=rank or 0, world_size=world or 1,
+                      normalize=parse_normalize(self.normalize),  # one form: "dataset", "imagenet", "M:S" or False
                       pin_memory=device.startswith("cuda") if self.pin_memory is None else self.pin_memory)
         cfg.validate()
         return cfg

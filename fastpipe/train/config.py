@@ -6,7 +6,16 @@ from dataclasses import dataclass, fields, replace
 
 from fastpipe.errors import ConfigError
 from fastpipe.loaders import BACKEND_NAMES
-from fastpipe.options import MAX_IMAGE_SIZE, SEED_MAX, check, opt, parse_gb, parse_workers
+from fastpipe.options import (
+    MAX_IMAGE_SIZE,
+    NORMALIZE_FORMS,
+    SEED_MAX,
+    check,
+    opt,
+    parse_gb,
+    parse_normalize,
+    parse_workers,
+)
 from fastpipe.urls import check_location
 
 AMP_MODES = ("fp16", "bf16", "off")
@@ -61,6 +70,9 @@ class TrainConfig:
                                         "(least recently used shards go first; default: no limit)")
     seed: int = opt(0, "seed for the model, the data order and the augmentations", low=0, high=SEED_MAX)
     pretrained: str | None = opt(None, "local weights file to start from (no downloads)")
+    normalize: str | None = opt(None, f"input normalisation: {NORMALIZE_FORMS}. Default: the weights' own with "
+                                      f"--pretrained (ImageNet's for torchvision weights; a fastpipe checkpoint's "
+                                      f"recorded one), else the data set's", parse=parse_normalize)
     balance: bool = opt(False, "class-balanced sampling")
     class_weighted_loss: bool = opt(False, "weight the loss by the class weights")
     sync_bn: bool = opt(False, "SyncBatchNorm across ranks")
@@ -70,6 +82,7 @@ class TrainConfig:
                          high=1_000_000)
 
     def __post_init__(self):
+        object.__setattr__(self, "normalize", train_normalize(self.normalize))  # its forms in one (a pair: text)
         check(self)  # every setting's type and range, for the CLI and the Python API alike
         check_location(self.data)
 
@@ -85,12 +98,24 @@ class TrainConfig:
             parse(self.augment)
 
 
+def train_normalize(value) -> str | None:
+    """A normalisation that training can use, in its one form (None: chosen when the run starts)."""
+    if value is None:
+        return None
+    value = parse_normalize(value)
+    if value is False:
+        raise ConfigError("--normalize False: uint8 images are for make_loader only; training takes "
+                          f"{NORMALIZE_FORMS}")
+    return value
+
+
 def resumed_config(saved: dict, given: dict, run: str) -> TrainConfig:
     """The settings of a resumed run: the saved ones, with only what a resume may change taken from `given` (the
     flags the user typed). Anything else that differs is refused, naming each difference, instead of
     half-loading a checkpoint for another model or rewriting the run's record."""
     names = {f.name for f in fields(TrainConfig)}
     base = {k: v for k, v in saved.items() if k in names}
+    base.setdefault("normalize", "dataset")  # runs recorded before the setting normalised with the data set's
     differ = {k: (base.get(k), v) for k, v in given.items() if k not in RESUMABLE_CHANGES and base.get(k) != v}
     if differ:
         what = ", ".join(f"--{k.replace('_', '-')} {new} (the run has {old})" for k, (old, new) in differ.items())

@@ -90,6 +90,7 @@ class Trainer:
     global_step: int = 0  # optimizer steps since the start of the run
     checkpoint: object = None  # checkpoint(epoch, progress, loader): the session's mid-epoch save
     log_step: object = None  # log_step(record): the session's metrics.jsonl
+    normalization: str = ""  # the inputs' mean and std (options.normalize_text), kept with the weights
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=amp_dtype(self.cfg.amp), enabled=self.cfg.amp != "off")
@@ -322,6 +323,7 @@ class Trainer:
         return {"epoch": epoch, "model": model.state_dict(), "optimizer": self.opt.state_dict(),
                 "scheduler": self.sched.state_dict(), "scaler": self.scaler.state_dict(),
                 "global_step": self.global_step, "step_samples": self._step_samples(),
+                "normalize": self.normalization,  # what --pretrained of these weights normalises with
                 "rng_cpu": torch.get_rng_state(),
                 "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 

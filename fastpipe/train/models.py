@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fastpipe.errors import ConfigError
+from fastpipe.options import NORMALIZE_FORMS, parse_normalize
 
 SUPPORTED = ("resnet18", "resnet34", "resnet50", "resnet101", "mobilenet_v3_small", "mobilenet_v3_large",
              "efficientnet_b0", "efficientnet_b1", "convnext_tiny", "vit_b_16", "regnet_y_400mf")
@@ -81,6 +82,24 @@ def load_pretrained(model: nn.Module, path: str) -> list[str]:
     print(f"--pretrained {path}: loaded {len(usable)} of the model's {len(own)} tensors"
           + (f"; left as initialised: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}" if missing else ""))
     return missing
+
+
+def weights_normalization(path: str) -> str:
+    """The normalisation the weights in `path` were trained with, the one fine-tuning them needs: a fastpipe
+    checkpoint records its own (its `normalize`); other weights files (torchvision's and timm's ImageNet weights)
+    were trained with ImageNet's mean/std."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # mmap: no tensor is read
+    except Exception:  # damage and foreign pickles raise many types: load_pretrained names the file
+        return "imagenet"
+    recorded = state.get("normalize") if isinstance(state, dict) else None
+    if recorded is None:
+        return "imagenet"
+    try:
+        return parse_normalize(recorded)
+    except ConfigError:
+        raise ConfigError(f"--pretrained {path}: its recorded normalisation {str(recorded)[:60]!r} is not one: a "
+                          f"damaged checkpoint? Give --normalize ({NORMALIZE_FORMS})") from None
 
 
 def build_model(name: str, num_classes: int, image_size: int = 224, pretrained: str | None = None,

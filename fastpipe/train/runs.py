@@ -9,6 +9,7 @@ and accuracy; `fastpipe runs` lists them side by side.
     runs/NAME/confusion.png   the last validation confusion matrix (single-label)
     runs/NAME/classes.png     per-class accuracy, or per-class AP and F1 for multi-label data
     runs/NAME/last.pt         checkpoint (written atomically), for --resume
+    runs/NAME/events.out.tfevents.*  the same scalars and pictures for TensorBoard, when it is installed (board.py)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class RunError(DataError):
 class Run:
     def __init__(self, path: Path):
         self.path = Path(path)
+        self.board = None  # TensorBoard's event files (board.py), when it is installed and the run is started
 
     @property
     def checkpoint_path(self) -> Path:
@@ -85,6 +87,15 @@ class Run:
     def log(self, metrics: dict) -> None:
         with open(self.path / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
+        if self.board is not None:
+            self.board.log(metrics)
+
+    def open_board(self, purge_step: int | None) -> None:
+        """TensorBoard event files from here on (nothing without TensorBoard); `purge_step`: a resumed run's first
+        step, from which what earlier invocations logged is dropped, as truncate_metrics drops it."""
+        from fastpipe.train.board import open_board
+
+        self.board = open_board(self.path, purge_step)
 
     def save(self, state: dict) -> None:
         tmp = self.checkpoint_path.with_suffix(".pt.tmp")
@@ -124,6 +135,10 @@ class Run:
                 confusion_png(metrics[-1]["confusion"], classes, self.path / "confusion.png")
             if "per_class_ap" in metrics[-1] or "per_class_acc" in metrics[-1]:
                 per_class_png(metrics[-1], classes, self.path / "classes.png")
+        if self.board is not None:
+            self.board.pictures(self.path)
+            self.board.close()
+            self.board = None
 
 
 def default_run_dir(model: str) -> Path:

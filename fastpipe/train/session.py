@@ -21,11 +21,11 @@ from fastpipe import __version__
 from fastpipe.errors import ConfigError
 from fastpipe.loaders import LoaderConfig, make_loader_from
 from fastpipe.manifest import load
-from fastpipe.options import amp_for, check_number
+from fastpipe.options import amp_for, check_number, normalization, normalize_text
 from fastpipe.train.config import RESUMABLE_CHANGES, TrainConfig, image_size_for_epoch, resumed_config
 from fastpipe.train.errors import write_errors
 from fastpipe.train.loop import Dist, EpochProgress, Trainer, TrainingStopped, make_optimizer, make_schedule
-from fastpipe.train.models import build_model
+from fastpipe.train.models import build_model, weights_normalization
 from fastpipe.train.runs import Run, RunError, default_run_dir
 
 OOM_ADVICE = ("CUDA ran out of memory. Lower --batch-size (and keep the effective batch with --accum-steps), "
@@ -53,7 +53,9 @@ def resolve(cfg: TrainConfig, device: torch.device) -> TrainConfig:
     # SGD: the linear scaling rule (0.1 per 256 images, Goyal et al.); AdamW: its usual 1e-3, which small
     # data sets train well with (Adam's step size is less tied to the batch).
     lr = cfg.lr if cfg.lr is not None else (0.1 * eff / 256 if cfg.optimizer == "sgd" else 1e-3)
-    return replace(cfg, device=str(device), lr=lr, amp=amp_for(cfg.amp, cuda),
+    # Fine-tuning needs the inputs the weights were trained on; from scratch, the data set's own statistics fit
+    normalize = cfg.normalize or (weights_normalization(cfg.pretrained) if cfg.pretrained else "dataset")
+    return replace(cfg, device=str(device), lr=lr, amp=amp_for(cfg.amp, cuda), normalize=normalize,
                    channels_last=cuda if cfg.channels_last is None else cfg.channels_last,
                    out=cfg.out or str(default_run_dir(cfg.model)))
 
@@ -69,7 +71,7 @@ def versions() -> dict:
 def _loader_cfg(cfg: TrainConfig, split: str, size: int, batch: int) -> LoaderConfig:
     train = split == "train"
     return LoaderConfig(backend=cfg.backend, split=split, batch_size=batch, image_size=size, device=cfg.device,
-                        num_workers=cfg.workers, seed=cfg.seed, balance=cfg.balance and train,
+                        num_workers=cfg.workers, seed=cfg.seed, balance=cfg.balance and train, normalize=cfg.normalize,
                         augment=cfg.augment if train else None, label_smoothing=cfg.label_smoothing)
 
 
@@ -140,7 +142,13 @@ def train(cfg: TrainConfig) -> Path:
     cfg.validate()
     manifest = load(cfg.data, cache_dir=cfg.cache_dir, cache_limit=cfg.cache_limit)
     d, device = setup_distributed(cfg.device)
+    chosen = cfg.normalize is None
     cfg = resolve(cfg, device)
+    mean, std = normalization(cfg.normalize, manifest.mean, manifest.std)
+    if chosen and cfg.pretrained and d.main:
+        print(f"--pretrained: inputs normalised as the weights were trained ({cfg.normalize}: mean "
+              f"{', '.join(f'{x:.3f}' for x in mean)}, std {', '.join(f'{x:.3f}' for x in std)}); "
+              f"--normalize dataset uses the data set's own")
     run = Run(Path(cfg.out))
     if cfg.resume:
         _check_resume(cfg, run)
@@ -164,7 +172,7 @@ def train(cfg: TrainConfig) -> Path:
     opt = make_optimizer(model, cfg)
     trainer = Trainer(cfg, model, opt, make_schedule(opt, cfg, steps),
                       torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16"), _criterion(cfg, manifest, device),
-                      device, d)
+                      device, d, normalization=normalize_text(mean, std))
     start = Start()
     if cfg.resume and (state := run.load()) is not None:
         start = _restore(trainer, state, run)
@@ -174,8 +182,10 @@ def train(cfg: TrainConfig) -> Path:
         run.start({"train": asdict(cfg), "versions": versions(), "device": _device_info(device),
                    "world_size": d.world, "data": {"root": manifest.location, "classes": list(manifest.classes),
                                                    "mean": manifest.mean, "std": manifest.std},
+                   "normalization": {"setting": cfg.normalize, "mean": mean, "std": std},
                    "loader": train_loader(image_size_for_epoch(cfg, 0)).describe()})
         run.truncate_metrics(start.epoch, trainer.global_step)
+        run.open_board(trainer.global_step + 1 if cfg.resume else None)
         trainer.log_step = run.log
     trainer.checkpoint = lambda epoch, progress, loader: _save_mid(trainer, run, epoch, progress, loader)
     with trainer.stop:  # SIGINT/SIGTERM from here on: the current step finishes, a checkpoint, then a clean exit
@@ -247,7 +257,8 @@ def _epochs(trainer: Trainer, run: Run, manifest, train_loader, val_loader, star
                     loader.load_state_dict(start.loader)
                 except ConfigError as e:
                     raise RunError(f"{run.checkpoint_path}: {e}; start a new run with another --out") from None
-            m = {"kind": "epoch", "epoch": epoch, "image_size": size, **trainer.train_epoch(loader, epoch, resumed)}
+            m = {"kind": "epoch", "epoch": epoch, "image_size": size, **trainer.train_epoch(loader, epoch, resumed),
+                 "global_step": trainer.global_step}
             if d.main:
                 run.save(trainer.state(epoch))  # the epoch is trained: saved before evaluating it
             if val_loader is not None:
