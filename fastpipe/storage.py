@@ -14,6 +14,7 @@ where it makes a client, so that one policy applies, it is bounded in time, and 
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
 import random
 import threading
@@ -22,11 +23,10 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 from fastpipe.errors import ConfigError, DataError
-from fastpipe.stores import cat_bounded, open_fs, store_environment
+from fastpipe.stores import ObjectTooLarge, brief, cat_bounded, open_fs, refused, store_environment, transient
 from fastpipe.urls import check_relative, check_url, redact
 from fastpipe.util import URL_RE
 
-RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}  # 409 is S3's "operation aborted, try again"
 SMALL_OBJECT = 64 << 20  # bytes: the most a whole-object read (dataset.json, a .idx, rejected.jsonl) may return
 
 
@@ -97,45 +97,6 @@ class Counters:
         return out
 
 
-def transient(e: BaseException) -> bool:
-    """Worth another try: a 5xx or throttling status, a reset or refused connection, a timeout. Not: a missing
-    object, a refused credential, a bad request."""
-    status = _status(e)
-    if status is not None:
-        return status in RETRY_STATUS
-    if refused(e) or isinstance(e, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
-        return False
-    if isinstance(e, (TimeoutError, asyncio.TimeoutError, ConnectionError, OSError)):
-        return True
-    return type(e).__module__.split(".")[0] in ("aiohttp", "botocore", "urllib3", "requests", "google", "azure")
-
-
-def refused(e: BaseException) -> bool:
-    """The store said no to these credentials, or there are none: retrying will not change that."""
-    if isinstance(e, PermissionError) or _status(e) in (401, 403):
-        return True
-    if "Credential" in type(e).__name__ or "Authentication" in type(e).__name__:  # botocore, google-auth, Azure
-        return True
-    return type(e) is OSError and str(e).startswith("Forbidden")  # gcsfs's 403 is a plain OSError
-
-
-def _brief(e: BaseException) -> str:
-    """The first line of a store's error (the Azure SDK's go on with request ids and headers)."""
-    return (str(e).strip().splitlines() or [""])[0][:200]
-
-
-def _status(e: BaseException) -> int | None:
-    status = getattr(e, "status", None)  # aiohttp
-    if status is None:
-        status = getattr(e, "status_code", None)  # the Azure SDK (HttpResponseError)
-    if status is None and type(e).__module__.startswith("gcsfs"):
-        status = getattr(e, "code", None)  # gcsfs.retry.HttpError
-    response = getattr(e, "response", None)  # botocore
-    if status is None and isinstance(response, dict):
-        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return status if isinstance(status, int) else None
-
-
 class Remote:
     """A data set's folder in a store: `url` plus the options to reach it; one filesystem client per process."""
 
@@ -185,14 +146,14 @@ class Remote:
         """The URL of a file of this data set (`rel` as urls.check_relative allows: it cannot leave the folder)."""
         return f"{self.url}/{check_relative(rel, 'a path in ' + self.url)}"
 
-    def cat(self, rel: str) -> bytes:
-        """A whole (small) object."""
-        return self.cat_many([rel])[0]
+    def cat(self, rel: str, limit: int = SMALL_OBJECT) -> bytes:
+        """A whole object of at most `limit` bytes (a larger one is not read past it: ObjectTooLarge, the cause)."""
+        return self.cat_many([rel], limit)[0]
 
-    def cat_many(self, rels: list[str]) -> list[bytes]:
-        """Several whole (small) objects, concurrently: more at once than ranges (`.idx` files at start-up; a
-        round trip each is what they cost)."""
-        out = self._read([(rel, None, None) for rel in rels], inflight=max(64, self.inflight))
+    def cat_many(self, rels: list[str], limit: int = SMALL_OBJECT) -> list[bytes]:
+        """Several whole objects of at most `limit` bytes each, concurrently: more at once than ranges (`.idx`
+        files at start-up; a round trip each is what they cost)."""
+        out = self._read([(rel, None, None) for rel in rels], max(64, self.inflight), limit)
         self.counters.add(len(rels), sum(map(len, out)))
         return out
 
@@ -203,7 +164,8 @@ class Remote:
         self.counters.add(len(parts), sum(e - s for _, s, e in parts))
         return out
 
-    def _read(self, parts: list[tuple[str, int | None, int | None]], inflight: int | None = None) -> list[bytes]:
+    def _read(self, parts: list[tuple[str, int | None, int | None]], inflight: int | None = None,
+              limit: int = SMALL_OBJECT) -> list[bytes]:
         """(rel, start, end) each, None for a whole object; each retried. An async client (s3fs, gcsfs, adlfs,
         http) gets them all in one call on its event loop, `inflight` at a time: a thread per request handing each
         to that loop cost 1.5x the CPU (0.36 s against 0.25 s per 100 MB over loopback: benchmarks/bench_io.py,
@@ -213,12 +175,13 @@ class Remote:
             self.join(rel)  # the path policy (urls.check_relative), before any request
         if not getattr(fs, "async_impl", False):
             return list(pool.map(lambda p: self._sized(self._retry(
-                lambda: fs.cat_file(f"{root}/{p[0]}", start=p[1], end=p[2]), self.join(p[0]), p[1:]), p), parts))
+                lambda: fs.cat_file(f"{root}/{p[0]}", start=p[1], end=p[2]), self.join(p[0]), p[1:]), p, limit),
+                parts))
         out: list = [None] * len(parts)
         todo = list(range(len(parts)))
         for attempt in range(1, self.attempts + 1):
             got = self._bounded(fs, [(f"{root}/{parts[k][0]}", parts[k][1], parts[k][2]) for k in todo],
-                                inflight or self.inflight)
+                                inflight or self.inflight, limit)
             failed = []
             for k, data in zip(todo, got):
                 if isinstance(data, BaseException):
@@ -233,7 +196,7 @@ class Remote:
             todo = failed
         raise AssertionError("unreachable")
 
-    def _bounded(self, fs, requests: list[tuple[str, int | None, int | None]], inflight: int) -> list:
+    def _bounded(self, fs, requests: list[tuple[str, int | None, int | None]], inflight: int, limit: int) -> list:
         """The requests on the client's event loop, `inflight` at a time, each within its deadline and size limit;
         an exception in place of each that failed."""
         import fsspec.asyn
@@ -242,7 +205,7 @@ class Remote:
             gate = asyncio.Semaphore(inflight)
 
             async def one(path, start, end):
-                size = SMALL_OBJECT if start is None else end - start
+                size = limit if start is None else end - start
                 deadline = self.timeout + size / self.min_rate
                 async with gate:
                     try:
@@ -257,11 +220,11 @@ class Remote:
 
         return fsspec.asyn.sync(fs.loop, all_of_them)
 
-    def _sized(self, data: bytes, part: tuple[str, int | None, int | None]) -> bytes:
+    def _sized(self, data: bytes, part: tuple[str, int | None, int | None], limit: int) -> bytes:
         """A client without an event loop (no deadline to set) is held to the size limit after the read."""
-        if part[1] is None and len(data) > SMALL_OBJECT:
-            raise RemoteError(f"{self.join(part[0])}: {len(data)} bytes, over the limit of {SMALL_OBJECT} for a "
-                              f"dataset.json or index: not a file of a fastpipe data set")
+        if part[1] is None and len(data) > limit:
+            raise RemoteError(f"{self.join(part[0])}: {len(data)} bytes, over the limit of {limit}") from \
+                ObjectTooLarge(f"{len(data)} bytes or more, over the limit of {limit}")
         return data
 
     def _checked(self, part: tuple[str, int, int], data: bytes) -> bytes:
@@ -270,6 +233,23 @@ class Remote:
             raise RemoteError(f"{self.join(rel)}: asked for bytes {start}-{end - 1}, got {len(data)} bytes: the "
                               f"object is shorter than dataset.json says, or the server ignores Range requests")
         return data
+
+    def listing(self) -> list[tuple[str, int]]:
+        """(path relative to this folder, size) of every object below it, in one listing (a store that can list:
+        not plain HTTP)."""
+        fs, root, _ = self._client()
+        found = self._retry(lambda: fs.find(root, detail=True), self.url)
+        base = root.rstrip("/") + "/"
+        return sorted((p[len(base):], int(info.get("size") or 0)) for p, info in found.items()
+                      if p.startswith(base) and info.get("type", "file") == "file")
+
+    def without_credentials(self) -> Remote:
+        """This folder as another machine (a Ray node) reads it: with its own credentials (an instance role, the
+        AWS_/GOOGLE_/AZURE_ variables of its environment). Neither storage_options nor this machine's store
+        variables travel with the copy."""
+        other = copy.copy(self)
+        other.options, other.env, other.counters = {}, {}, Counters()
+        return other
 
     def glob(self, pattern: str) -> list[str]:
         """Names of the objects in this folder that match `pattern` (a store that can list: not plain HTTP)."""
@@ -341,11 +321,11 @@ class Remote:
         if isinstance(e, FileNotFoundError):
             raise RemoteError(f"{url} not found: check the URL, or that the upload finished") from e
         if refused(e):
-            raise RemoteError(f"{url}: access refused ({_brief(e)}); check the credentials (storage_options or the "
+            raise RemoteError(f"{url}: access refused ({brief(e)}); check the credentials (storage_options or the "
                               f"AWS_/GOOGLE_/AZURE_ environment)") from e
         if not transient(e) or attempt == self.attempts:
             kind = f"still failing after {attempt} attempts" if transient(e) else "failed"
-            raise RemoteError(f"reading {where} {kind}: {type(e).__name__}: {_brief(e)}") from e
+            raise RemoteError(f"reading {where} {kind}: {type(e).__name__}: {brief(e)}") from e
 
     def _backoff(self, attempt: int) -> None:
         # full jitter: many workers retrying a throttled store must not retry in step

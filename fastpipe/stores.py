@@ -10,6 +10,7 @@ the same connect and read timeout, so that a read that stalls fails in `timeout`
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import importlib.util
 import os
@@ -22,6 +23,7 @@ PROTOCOL_EXTRAS = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "
 FAMILY = {"s3a": "s3", "gcs": "gs", "abfs": "az", "abfss": "az", "https": "http"}
 GCSFS_RETRYING = ("_request", "_get_file_request", "_get_file_concurrent")  # gcsfs's @retry_request methods
 STORE_VARIABLES = ("AWS_", "AZURE_", "GOOGLE_", "GCSFS_", "STORAGE_EMULATOR_HOST")  # what the clients read
+RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}  # 409 is S3's "operation aborted, try again"
 
 
 def store_environment() -> dict[str, str]:
@@ -120,6 +122,46 @@ def _az_retries_off(fs) -> None:
             setattr(policy, name, 0)
 
 
+# -- what each client's errors mean: worth another try, or refused ----------------------------------------
+def transient(e: BaseException) -> bool:
+    """Worth another try: a 5xx or throttling status, a reset or refused connection, a timeout. Not: a missing
+    object, a refused credential, a bad request."""
+    status = _status(e)
+    if status is not None:
+        return status in RETRY_STATUS
+    if refused(e) or isinstance(e, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
+        return False
+    if isinstance(e, (TimeoutError, asyncio.TimeoutError, ConnectionError, OSError)):
+        return True
+    return type(e).__module__.split(".")[0] in ("aiohttp", "botocore", "urllib3", "requests", "google", "azure")
+
+
+def refused(e: BaseException) -> bool:
+    """The store said no to these credentials, or there are none: retrying will not change that."""
+    if isinstance(e, PermissionError) or _status(e) in (401, 403):
+        return True
+    if "Credential" in type(e).__name__ or "Authentication" in type(e).__name__:  # botocore, google-auth, Azure
+        return True
+    return type(e) is OSError and str(e).startswith("Forbidden")  # gcsfs's 403 is a plain OSError
+
+
+def brief(e: BaseException) -> str:
+    """The first line of a store's error (the Azure SDK's go on with request ids and headers)."""
+    return (str(e).strip().splitlines() or [""])[0][:200]
+
+
+def _status(e: BaseException) -> int | None:
+    status = getattr(e, "status", None)  # aiohttp
+    if status is None:
+        status = getattr(e, "status_code", None)  # the Azure SDK (HttpResponseError)
+    if status is None and type(e).__module__.startswith("gcsfs"):
+        status = getattr(e, "code", None)  # gcsfs.retry.HttpError
+    response = getattr(e, "response", None)  # botocore
+    if status is None and isinstance(response, dict):
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return status if isinstance(status, int) else None
+
+
 class ObjectTooLarge(DataError):
     """A store answered with more bytes than were asked for, or than a small object may have."""
 
@@ -184,4 +226,5 @@ def installed_protocols() -> dict[str, bool]:
             for p, m in (("s3", "s3fs"), ("gs", "gcsfs"), ("az", "adlfs"), ("http", "aiohttp"))}
 
 
-__all__ = ["PROTOCOL_EXTRAS", "ObjectTooLarge", "cat_bounded", "installed_protocols", "open_fs", "store_environment"]
+__all__ = ["PROTOCOL_EXTRAS", "ObjectTooLarge", "brief", "cat_bounded", "installed_protocols", "open_fs", "refused",
+           "store_environment", "transient"]
