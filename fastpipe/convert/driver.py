@@ -1,23 +1,26 @@
 """`fastpipe shard`: the parallel conversion driver.
 
-Workers decode/resize/encode; the main process writes shards in plan order (an ordered `imap`), so output is
-deterministic whatever the worker count. plan.py: the plan, journal.py: resuming, outputs.py: what a run may write.
+Workers read, decode, resize and encode the photos (photos.py, in workers.py's local processes); this process alone
+writes the shards, in plan order (an ordered `imap`), so the output is the same bytes whatever does the work.
+discovery.py: what SRC holds, plan.py: the plan, journal.py: resuming, outputs.py: what a run may write,
+publish.py: OUT in a store.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
 from fastpipe import __version__
-from fastpipe.convert import images, outputs, plan, previews, publish
+from fastpipe.convert import images, outputs, photos, plan, previews, publish
+from fastpipe.convert.discovery import discover
 from fastpipe.convert.journal import Journal, SplitProgress, journal_name
-from fastpipe.convert.sources import Rejection, discover
+from fastpipe.convert.sources import Rejection
+from fastpipe.convert.summary import Summary, summarise
 from fastpipe.convert.workers import Workers
 from fastpipe.convert.writer import ShardWriter
 from fastpipe.errors import ConfigError
@@ -26,16 +29,7 @@ from fastpipe.options import SEED_MAX, check, opt, parse_procs, parse_size
 from fastpipe.shardformat import encode_label
 from fastpipe.storage import is_url
 from fastpipe.urls import check_location
-from fastpipe.util import (
-    FileTooLarge,
-    FolderLock,
-    NotRegularFile,
-    local_path,
-    read_regular,
-    usable_cores,
-    write_json_atomic,
-    write_jsonl_atomic,
-)
+from fastpipe.util import FolderLock, local_path, usable_cores, write_json_atomic, write_jsonl_atomic
 
 SPLITS = ("train", "val")
 
@@ -46,7 +40,8 @@ class ConvertError(ConfigError):
 
 @dataclass(frozen=True)
 class ShardConfig:
-    src: Path = opt(None, "folder of class folders (optionally train/ and val/), or a CSV/TXT list", positional=True)
+    src: Path | str = opt(None, "folder of class folders (optionally train/ and val/), a CSV/TXT list, or either in "
+                                "a store (s3://bucket/photos, gs://, az://; https://.../list.csv)", positional=True)
     out: Path = opt(None, "output folder, or a URL to upload to (s3://bucket/prefix, gs://, az://)", positional=True)
     short_side: int = opt(320, "stored shorter side in pixels, never upscaled", low=8, high=65535)
     quality: int = opt(90, "JPEG quality of the stored images", low=1, high=100)
@@ -66,7 +61,8 @@ class ShardConfig:
 
     def settings(self) -> dict:
         """Everything that changes the output bytes (workers and overwrite don't)."""
-        return {"source": str(Path(self.src).resolve()), "short_side": self.short_side,
+        source = self.src if is_url(self.src) else str(Path(self.src).resolve())
+        return {"source": source, "short_side": self.short_side,
                 "quality": self.quality, "val_fraction": self.val_fraction, "seed": self.seed,
                 "max_shard_size": self.max_shard_size, "max_pixels": self.max_pixels,
                 "part": self.part, "parts": self.parts}
@@ -75,8 +71,9 @@ class ShardConfig:
         return images.ImageSettings(self.short_side, self.quality, self.max_pixels)
 
     def __post_init__(self):
-        # Paths given as text (the API, the CLI) become Paths; a URL is refused here, before anything is created.
-        object.__setattr__(self, "src", local_path(self.src, "SRC"))
+        # Paths given as text (the API, the CLI) become Paths; a URL is checked here, before anything is created.
+        object.__setattr__(self, "src", check_location(self.src, "SRC") if is_url(self.src) else
+                           local_path(self.src, "SRC"))
         object.__setattr__(self, "out", check_location(self.out, "OUT") if is_url(self.out) else
                            local_path(self.out, "OUT"))
         check(self)
@@ -93,67 +90,6 @@ class ShardConfig:
     @property
     def prefixes(self) -> list[str]:
         return [n if self.parts == 1 else f"{n}-{self.part:03d}" for n in SPLITS]
-
-
-MODE_NAMES = {"L": "grayscale", "LA": "grayscale with transparency (flattened onto white)", "1": "black-and-white",
-              "RGBA": "with transparency (flattened onto white)", "P": "palette", "CMYK": "CMYK", "YCbCr": "YCbCr",
-              "I;16": "16-bit grayscale", "I": "32-bit grayscale", "F": "floating-point"}
-
-
-@dataclass
-class Summary:
-    out: Path
-    discovered: int = 0
-    written: dict[str, int] = field(default_factory=dict)
-    rejected: Counter = field(default_factory=Counter)
-    seconds: float = 0.0
-    converted_now: int = 0  # files read and converted (or rejected while converting) by this invocation
-    written_now: int = 0  # ... of which written into shards
-    modes: Counter = field(default_factory=Counter)  # ... written from another colour mode than RGB
-    up_to_date: bool = False
-    ignored: int = 0
-    notes: list[str] = field(default_factory=list)
-    phases: dict[str, float] = field(default_factory=dict)  # seconds: start (pool), hash, convert, finish
-
-    def lines(self) -> list[str]:
-        rate = self.converted_now / self.seconds if self.seconds else 0.0
-        out = [f"discovered {self.discovered} files -> written "
-               + ", ".join(f"{k} {v}" for k, v in self.written.items())
-               + f", rejected {sum(self.rejected.values())}"
-               + (f" ({self.ignored} hidden/system files ignored)" if self.ignored else "")]
-        out += [f"  rejected {n:>5}  {reason}" for reason, n in sorted(self.rejected.items())]
-        out += [f"note: {n}" for n in self.notes]
-        if self.up_to_date:
-            out.append(f"{self.out} is already complete for these settings: nothing to do")
-        else:
-            out.append(f"{self.converted_now} images processed in {self.seconds:.1f} s ({rate:.1f} img/s): "
-                       f"{self.written_now} written, {self.converted_now - self.written_now} rejected while converting")
-            if self.modes:
-                out.append("converted to RGB: " + ", ".join(f"{n} {MODE_NAMES.get(m, m)}" for m, n in
-                                                            sorted(self.modes.items(), key=lambda x: -x[1])))
-        return out
-
-
-# -- worker side -------------------------------------------------------------------------------------
-_SETTINGS: tuple[images.ImageSettings, int] | None = None
-
-
-def _init_worker(settings: images.ImageSettings, max_file_size: int) -> None:
-    global _SETTINGS
-    _SETTINGS = (settings, max_file_size)
-
-
-def _convert_one(path: str) -> images.Encoded | images.Rejected:
-    settings, limit = _SETTINGS
-    try:
-        data = read_regular(Path(path), limit)
-    except FileTooLarge as e:
-        return images.Rejected("too-large", f"{e}; raise --max-file-size to convert it")
-    except NotRegularFile as e:
-        return images.Rejected("not-a-file", str(e))
-    except OSError as e:
-        return images.Rejected("unreadable", f"{type(e).__name__}: {e.strerror or e}")
-    return images.process(data, settings)
 
 
 # -- main side ---------------------------------------------------------------------------------------
@@ -210,8 +146,9 @@ class _SplitRun:
         self._closed(None, done=True)  # rejections after it, and the mark that the split is complete
 
 
-def _make_pool(workers: int, cfg: ShardConfig) -> Workers:
-    return Workers(workers, _init_worker, (cfg.image_settings(), cfg.max_file_size))
+def _make_pool(cfg: ShardConfig, source, workers: int, initargs: tuple):
+    """The processes that read and convert the photos: local worker processes, or none (this process)."""
+    return Workers(workers, photos.init_worker, initargs) if workers > 1 else None
 
 
 def _guard(cfg: ShardConfig, fingerprints: tuple[str, str], journal: Journal) -> bool:
@@ -239,14 +176,23 @@ def _is_hex(text: str) -> bool:
     return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
 
 
-def _convert_split(name, samples, root: Path, run: _SplitRun, classes, pool, summary: Summary) -> int:
-    todo = samples[run.pos:]
-    paths = [str(root / s.path) for s in todo]
+def _convert(runs: list[_SplitRun], source, pixels: dict[str, int], pool, summary: Summary) -> None:
+    """Every split still to do, under one progress bar."""
+    with tqdm(total=sum(len(r.samples) - r.pos for r in runs), desc="converting", unit="img",
+              mininterval=0.5) as bar:
+        for run in runs:
+            summary.converted_now += _convert_split(run, source, pixels, pool, bar, summary)
+
+
+def _convert_split(run: _SplitRun, source, pixels: dict[str, int], pool, bar, summary: Summary) -> int:
+    todo = run.samples[run.pos:]
+    where = [photos.location(source.root, s.path) for s in todo]
     # 4 a task: fewer messages per image; more would leave one worker idle longer at the end
-    results = pool.imap(_convert_one, paths, chunksize=4) if pool else map(_convert_one, paths)
+    results = pool.imap(photos.convert_one, where, chunksize=4) if pool else map(photos.convert_one, where)
     try:
-        for result in tqdm(results, total=len(todo), desc=f"converting {name}", unit="img", mininterval=0.5):
-            run.add(result, classes, summary)
+        for result in results:
+            run.add(result, source.classes, summary)
+            bar.update()
     except BaseException:
         run.writer.abort()  # no half shard under a final name; the journal keeps the finished ones
         raise
@@ -279,20 +225,6 @@ def _finalize(cfg, source, progress, early: list[Rejection], ids: dict, pool) ->
     return manifest
 
 
-def _summarise(summary: Summary, manifest_path: Path, rejected_path: Path) -> Summary:
-    data = json.loads(manifest_path.read_text())
-    summary.written = {n: sp["samples"] for n, sp in data["splits"].items()}
-    if rejected_path.exists():
-        summary.rejected = Counter(json.loads(line)["reason"] for line in rejected_path.read_text().splitlines())
-    if len(data["classes"]) < 2:
-        summary.notes.append(f"only one class ({data['classes'][0]!r}): a classifier needs at least two. Expected "
-                             f"SRC/<class>/<images> with one folder per class, or a list with a label per row")
-    if not data["splits"].get("val", {}).get("samples"):
-        summary.notes.append("no validation samples: `fastpipe train` will train without evaluating "
-                             "(use --val-fraction, or SRC/train + SRC/val folders)")
-    return summary
-
-
 class _Clock:
     def __init__(self, laps: dict[str, float], start: float):
         self.laps, self.last = laps, start
@@ -305,49 +237,56 @@ class _Clock:
 def shard(cfg: ShardConfig) -> Summary:
     """Convert cfg.src into shards under cfg.out (resuming, skipping or refusing as needed; a URL: publish.py)."""
     cfg.validate()
-    if is_url(cfg.out):
-        return publish.shard_to_url(cfg, shard)
     start = time.perf_counter()
-    source = discover(cfg.src, exclude=cfg.out)
+    source = discover(cfg.src, exclude=cfg.out, limit=cfg.max_file_size)
+    if is_url(cfg.out):
+        return publish.shard_to_url(cfg, lambda staged: _shard_into(staged, source, start))
+    return _shard_into(cfg, source, start)
+
+
+def _shard_into(cfg: ShardConfig, source, start: float) -> Summary:
     cfg.out.mkdir(parents=True, exist_ok=True)
     summary = Summary(cfg.out, discovered=len(source.items) + len(source.rejections), ignored=source.ignored,
                       notes=list(source.notes))
     with FolderLock(cfg.out, f"fastpipe shard {cfg.src} {cfg.out}"):
         _run(cfg, source, summary, start)
     summary.seconds = time.perf_counter() - start
-    return _summarise(summary, cfg.out / f"dataset{cfg.suffix}.json", cfg.out / f"rejected{cfg.suffix}.jsonl")
+    return summarise(summary, cfg.out / f"dataset{cfg.suffix}.json", cfg.out / f"rejected{cfg.suffix}.jsonl")
+
+
+def _plan(cfg: ShardConfig, source, workers: int, pool):
+    """(this part's samples per split, the plan's fingerprints, early rejections, each photo's pixels)."""
+    hashes, early, pixels = plan.hash_files(source, workers)
+    items, duplicates = plan.deduplicate(list(source.items), hashes)
+    by_split = plan.split_items(items, cfg.val_fraction, cfg.seed, source.multilabel)
+    ordered = {n: plan.order_split(by_split[n], source.classes, cfg.seed, salt, source.multilabel)
+               for salt, n in enumerate(SPLITS)}
+    mine = {n: [s[i] for i in plan.part_range(len(s), cfg.part, cfg.parts)] for n, s in ordered.items()}
+    # Refusals found before any decoding are recorded once, by part 0, for a cluster job.
+    early_all = list(source.rejections) + early + duplicates if cfg.part == 0 else []
+    return mine, plan.fingerprints(cfg.settings(), ordered, mine, hashes), early_all, pixels
 
 
 def _run(cfg: ShardConfig, source, summary: Summary, start: float) -> None:
     workers = usable_cores() if cfg.workers is None else cfg.workers
-    pool = _make_pool(workers, cfg) if workers > 1 else None
-    _init_worker(cfg.image_settings(), cfg.max_file_size)
+    initargs = (cfg.image_settings(), cfg.max_file_size, source.remote, None if source.remote else source.root)
+    pool = _make_pool(cfg, source, workers, initargs)
+    photos.init_worker(*initargs)  # this process converts too (no pool), and hashes
     clock = _Clock(summary.phases, start)
     try:
         clock.lap("start")
-        hashes, early = plan.hash_files(source, workers, cfg.max_file_size)
+        mine, fingerprints, early, pixels = _plan(cfg, source, workers, pool)
         clock.lap("hash")
-        items, duplicates = plan.deduplicate(list(source.items), hashes)
-        by_split = plan.split_items(items, cfg.val_fraction, cfg.seed, source.multilabel)
-        ordered = {n: plan.order_split(by_split[n], source.classes, cfg.seed, salt, source.multilabel)
-                   for salt, n in enumerate(SPLITS)}
-        mine = {n: [s[i] for i in plan.part_range(len(s), cfg.part, cfg.parts)] for n, s in ordered.items()}
-        fingerprints = plan.fingerprints(cfg.settings(), ordered, mine, hashes)
         journal = Journal(cfg.out / journal_name(cfg.suffix), fingerprints[0])
         if _guard(cfg, fingerprints[:2], journal):
             summary.up_to_date = True
             return
         progress = journal.load(cfg.out)
-        for name in SPLITS:
-            p = progress.setdefault(name, SplitProgress())
-            if not p.done:
-                run = _SplitRun(name, mine[name], cfg, journal, p, len(source.classes))
-                summary.converted_now += _convert_split(name, mine[name], source.root, run, source.classes, pool,
-                                                        summary)
+        runs = [_SplitRun(n, mine[n], cfg, journal, p, len(source.classes)) for n in SPLITS
+                if not (p := progress.setdefault(n, SplitProgress())).done]
+        _convert(runs, source, pixels, pool, summary)
         clock.lap("convert")
-        # Refusals found before any decoding are recorded once, by part 0, for a cluster job.
-        early_all = list(source.rejections) + early + duplicates if cfg.part == 0 else []
-        _finalize(cfg, source, progress, early_all, {"fingerprint": fingerprints[0], "plan": fingerprints[2]}, pool)
+        _finalize(cfg, source, progress, early, {"fingerprint": fingerprints[0], "plan": fingerprints[2]}, pool)
         journal.remove()
         clock.lap("finish")
     finally:
