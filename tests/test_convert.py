@@ -764,3 +764,18 @@ def test_building_the_cli_imports_no_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.stdout.strip() == "False", r.stderr[-1000:]
 
+
+def test_ray_without_ray_installed_says_how_to_install_it(folder, tmp_path, monkeypatch, capsys):
+    """`--ray` (or `--ray-address`) where Ray is missing: one line with the install command, before anything is
+    read or written."""
+    import importlib.util
+
+    from fastpipe.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    for flag in (["--ray"], ["--ray-address", "10.0.0.1:6379"]):
+        assert main(["shard", str(folder), str(tmp_path / "out"), *flag]) == 2
+        err = capsys.readouterr().err
+        assert "--ray needs Ray here and on every node" in err and "pip install 'fastpipe[ray]'" in err, err
+    assert not (tmp_path / "out").exists()

@@ -1,13 +1,14 @@
 """`fastpipe shard`: the parallel conversion driver.
 
-Workers read, decode, resize and encode the photos (photos.py, in workers.py's local processes); this process alone
-writes the shards, in plan order (an ordered `imap`), so the output is the same bytes whatever does the work.
-discovery.py: what SRC holds, plan.py: the plan, journal.py: resuming, outputs.py: what a run may write,
-publish.py: OUT in a store.
+Workers read, decode, resize and encode the photos (photos.py; local processes: workers.py, or Ray tasks across a
+cluster: onray.py); this process alone writes the shards, in plan order (an ordered `imap`), so the output is the
+same bytes whatever does the work. discovery.py: what SRC holds, plan.py: the plan, journal.py: resuming,
+outputs.py: what a run may write, publish.py: OUT in a store.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -23,7 +24,7 @@ from fastpipe.convert.sources import Rejection
 from fastpipe.convert.summary import Summary, summarise
 from fastpipe.convert.workers import Workers
 from fastpipe.convert.writer import ShardWriter
-from fastpipe.errors import ConfigError
+from fastpipe.errors import ConfigError, MissingDependency
 from fastpipe.manifest import Components, Manifest, SplitInfo, Stats
 from fastpipe.options import SEED_MAX, check, opt, parse_procs, parse_size
 from fastpipe.shardformat import encode_label
@@ -58,9 +59,12 @@ class ShardConfig:
                                  "wrote)")
     part: int = opt(0, "this part's number, for cluster array jobs", low=0)
     parts: int = opt(1, "number of independent parts (then: fastpipe merge)", low=1, high=100_000)
+    ray: bool = opt(False, "read, decode, resize and encode the photos as tasks on a Ray cluster ($RAY_ADDRESS or "
+                           "--ray-address; else a local one of --workers CPUs); needs fastpipe[ray]")
+    ray_address: str | None = opt(None, "the Ray cluster to join (e.g. 10.0.0.1:6379, ray://head:10001); implies --ray")
 
     def settings(self) -> dict:
-        """Everything that changes the output bytes (workers and overwrite don't)."""
+        """Everything that changes the output bytes (workers, overwrite and Ray don't)."""
         source = self.src if is_url(self.src) else str(Path(self.src).resolve())
         return {"source": source, "short_side": self.short_side,
                 "quality": self.quality, "val_fraction": self.val_fraction, "seed": self.seed,
@@ -82,6 +86,13 @@ class ShardConfig:
         """What one setting's range cannot say (each setting's own range is checked when the config is built)."""
         if not self.part < self.parts:
             raise ConvertError(f"--part {self.part} --parts {self.parts}: need 0 <= part < parts")
+        if self.uses_ray and importlib.util.find_spec("ray") is None:
+            raise MissingDependency("--ray needs Ray here and on every node of the cluster: pip install "
+                                    "'fastpipe[ray]' (or pip install ray)")
+
+    @property
+    def uses_ray(self) -> bool:
+        return self.ray or self.ray_address is not None
 
     @property
     def suffix(self) -> str:
@@ -147,7 +158,14 @@ class _SplitRun:
 
 
 def _make_pool(cfg: ShardConfig, source, workers: int, initargs: tuple):
-    """The processes that read and convert the photos: local worker processes, or none (this process)."""
+    """The processes that read and convert the photos: Ray tasks (onray.py, where Ray is imported), local worker
+    processes, or none (this process)."""
+    if cfg.uses_ray:
+        from fastpipe.convert.onray import RayWorkers
+
+        settings, limit, remote, root = initargs  # each node reads the store with credentials of its own
+        return RayWorkers(cfg.ray_address, cfg.workers, photos.init_worker,
+                          (settings, limit, remote and remote.without_credentials(), root))
     return Workers(workers, photos.init_worker, initargs) if workers > 1 else None
 
 
@@ -177,7 +195,7 @@ def _is_hex(text: str) -> bool:
 
 
 def _convert(runs: list[_SplitRun], source, pixels: dict[str, int], pool, summary: Summary) -> None:
-    """Every split still to do, under one progress bar."""
+    """Every split still to do, under one progress bar (with a Ray pool: its nodes busy and tasks retried)."""
     with tqdm(total=sum(len(r.samples) - r.pos for r in runs), desc="converting", unit="img",
               mininterval=0.5) as bar:
         for run in runs:
@@ -188,11 +206,14 @@ def _convert_split(run: _SplitRun, source, pixels: dict[str, int], pool, bar, su
     todo = run.samples[run.pos:]
     where = [photos.location(source.root, s.path) for s in todo]
     # 4 a task: fewer messages per image; more would leave one worker idle longer at the end
-    results = pool.imap(photos.convert_one, where, chunksize=4) if pool else map(photos.convert_one, where)
+    results = pool.imap(photos.convert_one, where, chunksize=4, pixels=[pixels.get(s.path, 0) for s in todo]) \
+        if pool else map(photos.convert_one, where)
     try:
         for result in results:
             run.add(result, source.classes, summary)
             bar.update()
+            if pool is not None:
+                bar.set_postfix_str(pool.status(), refresh=False)
     except BaseException:
         run.writer.abort()  # no half shard under a final name; the journal keeps the finished ones
         raise
@@ -256,7 +277,7 @@ def _shard_into(cfg: ShardConfig, source, start: float) -> Summary:
 
 def _plan(cfg: ShardConfig, source, workers: int, pool):
     """(this part's samples per split, the plan's fingerprints, early rejections, each photo's pixels)."""
-    hashes, early, pixels = plan.hash_files(source, workers)
+    hashes, early, pixels = plan.hash_files(source, workers, pool if cfg.uses_ray else None)
     items, duplicates = plan.deduplicate(list(source.items), hashes)
     by_split = plan.split_items(items, cfg.val_fraction, cfg.seed, source.multilabel)
     ordered = {n: plan.order_split(by_split[n], source.classes, cfg.seed, salt, source.multilabel)
@@ -289,6 +310,7 @@ def _run(cfg: ShardConfig, source, summary: Summary, start: float) -> None:
         _finalize(cfg, source, progress, early, {"fingerprint": fingerprints[0], "plan": fingerprints[2]}, pool)
         journal.remove()
         clock.lap("finish")
+        summary.notes += pool.notes() if pool is not None else []
     finally:
         if pool is not None:
             pool.terminate()
