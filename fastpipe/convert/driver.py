@@ -61,7 +61,7 @@ class ShardConfig:
     parts: int = opt(1, "number of independent parts (then: fastpipe merge)", low=1, high=100_000)
     ray: bool = opt(False, "read, decode, resize and encode the photos as tasks on a Ray cluster ($RAY_ADDRESS or "
                            "--ray-address; else a local one of --workers CPUs); needs fastpipe[ray]")
-    ray_address: str | None = opt(None, "the Ray cluster to join (e.g. 10.0.0.1:6379, ray://head:10001); implies --ray")
+    ray_address: str | None = opt(None, "the Ray cluster to join: its head node, e.g. 10.0.0.1:6379; implies --ray")
 
     def settings(self) -> dict:
         """Everything that changes the output bytes (workers, overwrite and Ray don't)."""
