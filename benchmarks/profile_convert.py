@@ -78,7 +78,7 @@ def shard_once(raw: Path, out: Path, workers: int) -> dict:
     window = phases["convert"]  # the conversion phase, ending where the finish phase begins
     end = start + sum(v for k, v in phases.items() if k != "finish")
     busy = [sum(float(b) - float(a) for a, b, name in (line.split() for line in p.read_text().splitlines())
-                if name == "_convert_one" and end - window <= float(a) <= end) for p in log.iterdir()]
+                if name == "convert_one" and end - window <= float(a) <= end) for p in log.iterdir()]
     n = sum(summary.written.values())
     return {"img_per_s": n / wall, "wall_s": wall, "images": n, "phases_s": phases,
             "worker_busy_in_convert": sum(busy) / (workers * window) if busy else None,

@@ -137,7 +137,7 @@ def _cmd_index(a) -> int:
         if urls and len(urls) < len(paths):
             raise ConfigError("index --idx-only takes local shards or shards in a store, not both in one command")
         if urls:
-            from fastpipe.convert.publish import index_only_urls
+            from fastpipe.convert.foreign import index_only_urls
 
             n = index_only_urls(urls)
         else:

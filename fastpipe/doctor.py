@@ -236,10 +236,32 @@ def _probe_endpoint(variable: str, endpoint: str, scheme: str) -> Check:
     return Check("OK", variable, f"{endpoint} answers")
 
 
+def check_ray() -> Check:
+    """Ray's version and the cluster `fastpipe shard --ray` would join (Ray itself is not imported: seconds)."""
+    version = _dist_version("ray")
+    if version is None:
+        return Check("OK", "ray", "not installed: needed only by `fastpipe shard --ray` (pip install 'fastpipe[ray]')")
+    address = os.environ.get("RAY_ADDRESS", "")
+    if not address:
+        from fastpipe.util import usable_cores
+
+        return Check("OK", "ray", f"{version}; RAY_ADDRESS unset: `shard --ray` starts a local cluster of "
+                     f"{usable_cores()} CPUs (--ray-address joins another)")
+    if address == "auto":
+        return Check("OK", "ray", f"{version}; RAY_ADDRESS=auto: the cluster `ray start` started on this machine")
+    from fastpipe.util import unreachable
+
+    if problem := unreachable(address, timeout=5):
+        return Check("WARN", "ray", f"{version}; RAY_ADDRESS={address}: {problem}",
+                     "check the head node's address (`ray status` on the head prints it) and that it is running")
+    return Check("OK", "ray", f"{version}; `shard --ray` joins the cluster at RAY_ADDRESS={address} (it answers)")
+
+
 def collect() -> list[Check]:
     gpus = nvidia_smi()
     return [check_python(), *check_torch(gpus), check_driver(gpus), *check_packages(), check_dali(),
-            *check_pillow(), check_decoder(), check_cpu(), check_shm(), *check_remote(), check_tensorboard()]
+            *check_pillow(), check_decoder(), check_cpu(), check_shm(), *check_remote(), check_tensorboard(),
+            check_ray()]
 
 
 def run_doctor() -> int:

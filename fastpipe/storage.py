@@ -14,6 +14,7 @@ where it makes a client, so that one policy applies, it is bounded in time, and 
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
 import random
 import threading
@@ -22,7 +23,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 from fastpipe.errors import ConfigError, DataError
-from fastpipe.stores import brief, cat_bounded, open_fs, refused, store_environment, transient
+from fastpipe.stores import ObjectTooLarge, brief, cat_bounded, open_fs, refused, store_environment, transient
 from fastpipe.urls import check_relative, check_url, redact
 from fastpipe.util import URL_RE
 
@@ -145,14 +146,14 @@ class Remote:
         """The URL of a file of this data set (`rel` as urls.check_relative allows: it cannot leave the folder)."""
         return f"{self.url}/{check_relative(rel, 'a path in ' + self.url)}"
 
-    def cat(self, rel: str) -> bytes:
-        """A whole (small) object."""
-        return self.cat_many([rel])[0]
+    def cat(self, rel: str, limit: int = SMALL_OBJECT) -> bytes:
+        """A whole object of at most `limit` bytes (a larger one is not read past it: ObjectTooLarge, the cause)."""
+        return self.cat_many([rel], limit)[0]
 
-    def cat_many(self, rels: list[str]) -> list[bytes]:
-        """Several whole (small) objects, concurrently: more at once than ranges (`.idx` files at start-up; a
-        round trip each is what they cost)."""
-        out = self._read([(rel, None, None) for rel in rels], inflight=max(64, self.inflight))
+    def cat_many(self, rels: list[str], limit: int = SMALL_OBJECT) -> list[bytes]:
+        """Several whole objects of at most `limit` bytes each, concurrently: more at once than ranges (`.idx`
+        files at start-up; a round trip each is what they cost)."""
+        out = self._read([(rel, None, None) for rel in rels], max(64, self.inflight), limit)
         self.counters.add(len(rels), sum(map(len, out)))
         return out
 
@@ -163,7 +164,8 @@ class Remote:
         self.counters.add(len(parts), sum(e - s for _, s, e in parts))
         return out
 
-    def _read(self, parts: list[tuple[str, int | None, int | None]], inflight: int | None = None) -> list[bytes]:
+    def _read(self, parts: list[tuple[str, int | None, int | None]], inflight: int | None = None,
+              limit: int = SMALL_OBJECT) -> list[bytes]:
         """(rel, start, end) each, None for a whole object; each retried. An async client (s3fs, gcsfs, adlfs,
         http) gets them all in one call on its event loop, `inflight` at a time: a thread per request handing each
         to that loop cost 1.5x the CPU (0.36 s against 0.25 s per 100 MB over loopback: benchmarks/bench_io.py,
@@ -173,12 +175,13 @@ class Remote:
             self.join(rel)  # the path policy (urls.check_relative), before any request
         if not getattr(fs, "async_impl", False):
             return list(pool.map(lambda p: self._sized(self._retry(
-                lambda: fs.cat_file(f"{root}/{p[0]}", start=p[1], end=p[2]), self.join(p[0]), p[1:]), p), parts))
+                lambda: fs.cat_file(f"{root}/{p[0]}", start=p[1], end=p[2]), self.join(p[0]), p[1:]), p, limit),
+                parts))
         out: list = [None] * len(parts)
         todo = list(range(len(parts)))
         for attempt in range(1, self.attempts + 1):
             got = self._bounded(fs, [(f"{root}/{parts[k][0]}", parts[k][1], parts[k][2]) for k in todo],
-                                inflight or self.inflight)
+                                inflight or self.inflight, limit)
             failed = []
             for k, data in zip(todo, got):
                 if isinstance(data, BaseException):
@@ -193,7 +196,7 @@ class Remote:
             todo = failed
         raise AssertionError("unreachable")
 
-    def _bounded(self, fs, requests: list[tuple[str, int | None, int | None]], inflight: int) -> list:
+    def _bounded(self, fs, requests: list[tuple[str, int | None, int | None]], inflight: int, limit: int) -> list:
         """The requests on the client's event loop, `inflight` at a time, each within its deadline and size limit;
         an exception in place of each that failed."""
         import fsspec.asyn
@@ -202,7 +205,7 @@ class Remote:
             gate = asyncio.Semaphore(inflight)
 
             async def one(path, start, end):
-                size = SMALL_OBJECT if start is None else end - start
+                size = limit if start is None else end - start
                 deadline = self.timeout + size / self.min_rate
                 async with gate:
                     try:
@@ -217,11 +220,11 @@ class Remote:
 
         return fsspec.asyn.sync(fs.loop, all_of_them)
 
-    def _sized(self, data: bytes, part: tuple[str, int | None, int | None]) -> bytes:
+    def _sized(self, data: bytes, part: tuple[str, int | None, int | None], limit: int) -> bytes:
         """A client without an event loop (no deadline to set) is held to the size limit after the read."""
-        if part[1] is None and len(data) > SMALL_OBJECT:
-            raise RemoteError(f"{self.join(part[0])}: {len(data)} bytes, over the limit of {SMALL_OBJECT} for a "
-                              f"dataset.json or index: not a file of a fastpipe data set")
+        if part[1] is None and len(data) > limit:
+            raise RemoteError(f"{self.join(part[0])}: {len(data)} bytes, over the limit of {limit}") from \
+                ObjectTooLarge(f"{len(data)} bytes or more, over the limit of {limit}")
         return data
 
     def _checked(self, part: tuple[str, int, int], data: bytes) -> bytes:
@@ -230,6 +233,23 @@ class Remote:
             raise RemoteError(f"{self.join(rel)}: asked for bytes {start}-{end - 1}, got {len(data)} bytes: the "
                               f"object is shorter than dataset.json says, or the server ignores Range requests")
         return data
+
+    def listing(self) -> list[tuple[str, int]]:
+        """(path relative to this folder, size) of every object below it, in one listing (a store that can list:
+        not plain HTTP)."""
+        fs, root, _ = self._client()
+        found = self._retry(lambda: fs.find(root, detail=True), self.url)
+        base = root.rstrip("/") + "/"
+        return sorted((p[len(base):], int(info.get("size") or 0)) for p, info in found.items()
+                      if p.startswith(base) and info.get("type", "file") == "file")
+
+    def without_credentials(self) -> Remote:
+        """This folder as another machine (a Ray node) reads it: with its own credentials (an instance role, the
+        AWS_/GOOGLE_/AZURE_ variables of its environment). Neither storage_options nor this machine's store
+        variables travel with the copy."""
+        other = copy.copy(self)
+        other.options, other.env, other.counters = {}, {}, Counters()
+        return other
 
     def glob(self, pattern: str) -> list[str]:
         """Names of the objects in this folder that match `pattern` (a store that can list: not plain HTTP)."""

@@ -27,6 +27,7 @@ PROTOCOL_EXTRAS = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "
 FAMILY = {"s3a": "s3", "gcs": "gs", "abfs": "az", "abfss": "az", "https": "http"}
 GCSFS_RETRYING = ("_request", "_get_file_request", "_get_file_concurrent")  # gcsfs's @retry_request methods
 STORE_VARIABLES = ("AWS_", "AZURE_", "GOOGLE_", "GCSFS_", "STORAGE_EMULATOR_HOST")  # what the clients read
+RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}  # 409 is S3's "operation aborted, try again"
 
 
 def store_environment() -> dict[str, str]:
@@ -123,9 +124,6 @@ def _az_retries_off(fs) -> None:
     for name in ("total_retries", "connect_retries", "read_retries", "status_retries"):
         if isinstance(getattr(policy, name, None), int):
             setattr(policy, name, 0)
-
-
-RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}  # 409 is S3's "operation aborted, try again"
 
 
 def transient(e: BaseException) -> bool:

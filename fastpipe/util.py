@@ -35,6 +35,19 @@ def local_path(text: str | os.PathLike, what: str) -> Path:
     return Path(s)
 
 
+def unreachable(address: str, timeout: float = 10.0) -> str | None:
+    """Why `address` (HOST:PORT, or SCHEME://HOST:PORT) does not take a TCP connection within `timeout` seconds;
+    None when it does. For services whose own clients wait minutes on a wrong address before they fail."""
+    host, _, port = address.split("://", 1)[-1].rstrip("/").rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except ValueError:
+        return f"{address!r} is not HOST:PORT"
+    except OSError as e:
+        return f"{host}:{port} does not answer ({e.strerror or e})"
+    return None
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write under a temporary name in the same folder, fsync, then rename: a reader sees the old file or the
     whole new one, never half (a kill, a full disk)."""

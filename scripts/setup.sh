@@ -28,9 +28,11 @@ need=()
 [ -e /usr/include/jpeglib.h ] || need+=(libjpeg62-turbo-dev)
 command -v cc >/dev/null || need+=(gcc)
 [ -e "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("include"))')/Python.h" ] || need+=(python3-dev)
+apt_install() {  # a fresh machine may have no package lists yet: fetch them once, then try again
+  apt-get install -y -q "$@" >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q "$@" >/dev/null 2>&1; }
+}
 if [ ${#need[@]} -gt 0 ] && command -v apt-get >/dev/null; then
-  apt-get install -y -q "${need[@]}" >/dev/null 2>&1 \
-    || apt-get install -y -q "${need[@]/libjpeg62-turbo-dev/libjpeg-dev}" >/dev/null 2>&1 \
+  apt_install "${need[@]}" || apt_install "${need[@]/libjpeg62-turbo-dev/libjpeg-dev}" \
     || echo "WARN: could not install ${need[*]}; fastpipe's crop-aware JPEG decoder will not be built"
 fi
 pip install -q -e ".[test]"

@@ -110,3 +110,68 @@ def epoch(loader):
 @pytest.fixture(autouse=True)
 def _quiet_env(monkeypatch):
     monkeypatch.setenv("PYTHONHASHSEED", os.environ.get("PYTHONHASHSEED", "0"))
+
+
+@pytest.fixture(scope="session")
+def s3_bucket(converted):
+    """moto's S3 server on loopback (the way s3fs's own tests run), with the converted set uploaded."""
+    pytest.importorskip("moto.server")
+    s3fs = pytest.importorskip("s3fs")
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    opts = {"key": "testing", "secret": "testing", "client_kwargs": {"region_name": "us-east-1"}}
+    fs = s3fs.S3FileSystem(**{**opts, "client_kwargs": {**opts["client_kwargs"], "endpoint_url": endpoint}},
+                           skip_instance_cache=True)
+    fs.call_s3("create_bucket", Bucket="leafs")
+    fs.put(f"{converted}/", "leafs/sets/v1/", recursive=True)
+    yield endpoint, opts
+    server.stop()
+
+
+def aws_env(monkeypatch, endpoint: str, tmp_path: Path) -> None:
+    """The standard AWS environment pointing at moto's server (what every machine of a job reads a bucket with)."""
+    for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1", "FASTPIPE_CACHE": str(tmp_path / "cache" / "shards")}.items():
+        monkeypatch.setenv(k, v)
+
+
+def messy_photos(root: Path, counts: dict[str, int], size=(64, 48)) -> dict:
+    """A class-folder tree with one file for each rule discovery and conversion refuse by (empty, not an image, cut
+    short, a duplicate, too many pixels, too many bytes, outside a class folder) and hidden files that are ignored.
+    Returns the ShardConfig settings that make those rules bite."""
+    make_folder(root, counts, size)
+    big = photo(COLORS["green"], (size[0] * 2, size[1] * 2), seed=99)  # 4x the pixels of the others
+    (root / "green" / "big.jpg").write_bytes(big)
+    limit = len(big) + 1000
+    (root / "red" / "empty.jpg").write_bytes(b"")
+    (root / "green" / "notes.jpg").write_bytes(b"not an image at all")
+    (root / "blue" / "cut.jpg").write_bytes(photo(COLORS["blue"], size, seed=98)[:400])
+    (root / "red" / "copy.jpg").write_bytes((root / "red" / "img_000.jpg").read_bytes())
+    (root / "blue" / "huge.jpg").write_bytes(np.random.default_rng(0).bytes(limit + 1))
+    (root / "readme.txt").write_text("photos of leaves")
+    (root / "red" / ".DS_Store").write_bytes(b"\0" * 10)
+    (root / "__MACOSX").mkdir()
+    (root / "__MACOSX" / "red.jpg").write_bytes(b"resource fork")
+    return {"max_pixels": size[0] * size[1] * 2, "max_file_size": limit}
+
+
+def tree(out: Path, skip=("dataset.json",)) -> dict[str, bytes]:
+    """Every file a conversion wrote (not its lock), by path: shards, indexes, previews, rejections, manifest."""
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*"))
+            if p.is_file() and not p.name.startswith(".") and p.name not in skip}
+
+
+def manifest_without_source(path: Path) -> dict:
+    """dataset.json less the one field that says where SRC was (a folder here, a URL there)."""
+    import json
+
+    data = json.loads(Path(path).read_text())
+    data["settings"].pop("source")
+    return data

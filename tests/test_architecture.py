@@ -37,6 +37,12 @@ def test_the_ground_floor_imports_no_feature_package():
         assert not [m for m in mods if m.split(".")[1] in ("convert", "loaders", "train", "bench", "cli")], name
 
 
+def test_the_store_writer_calls_neither_merge_nor_index():
+    """publish.py (staging and upload) is what merge.py and foreign.py use to write into a store: one way only."""
+    assert not imports(PKG / "convert" / "publish.py") & {"fastpipe.convert.merge", "fastpipe.convert.foreign"}
+    assert "fastpipe.convert.publish" in imports(PKG / "convert" / "merge.py") & imports(PKG / "convert" / "foreign.py")
+
+
 def test_no_module_is_over_350_lines():
     long = {str(p.relative_to(PKG)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > 350}
     assert not long

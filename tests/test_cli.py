@@ -21,7 +21,7 @@ def fp(*args, cwd=None, timeout=300) -> subprocess.CompletedProcess:
                           cwd=cwd, timeout=timeout)
 
 
-@pytest.mark.parametrize("args", [["shard", "gs://b/raw", "{tmp}/out"], ["merge", "pipe:curl x"],
+@pytest.mark.parametrize("args", [["shard", "pipe:curl x", "{tmp}/out"], ["merge", "pipe:curl x"],
                                   ["index", "pipe:curl x.tar"], ["train", "pipe:curl x"]])
 def test_urls_are_refused_with_a_clear_message(tmp_path, folder, args, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)

@@ -252,16 +252,16 @@ def _dies_on_the_victim(path: str):
 
 
 def _worker_settings():
-    from fastpipe.convert import driver
+    from fastpipe.convert import photos
 
-    return driver._SETTINGS[0]
+    return photos._STATE[0]
 
 
 def test_a_worker_that_dies_ends_the_run_naming_its_files_and_the_rerun_resumes(tmp_path, monkeypatch):
     """A conversion worker killed mid-run (the out-of-memory killer, a crash in a decoder): multiprocessing.Pool
     waited for its task forever. Now the run stops at once with the files that were in flight, and the same
     command resumes to the bytes of an uninterrupted run."""
-    from fastpipe.convert import driver
+    from fastpipe.convert import photos
     from fastpipe.convert.workers import WorkerDied
 
     src = make_folder(tmp_path / "src", {"red": 30, "green": 30, "blue": 30}, size=(160, 120))
@@ -269,8 +269,8 @@ def test_a_worker_that_dies_ends_the_run_naming_its_files_and_the_rerun_resumes(
     shard(cfg(src, tmp_path / "clean", **kw))
     victim = str(src / "green" / "img_017.jpg")
     monkeypatch.setenv("FASTPIPE_TEST_VICTIM", victim)
-    convert = driver._convert_one
-    monkeypatch.setattr(driver, "_convert_one", _dies_on_the_victim)
+    convert = photos.convert_one
+    monkeypatch.setattr(photos, "convert_one", _dies_on_the_victim)
     out = tmp_path / "out"
     def hung(*_):
         raise TimeoutError("the conversion hung")
@@ -285,7 +285,7 @@ def test_a_worker_that_dies_ends_the_run_naming_its_files_and_the_rerun_resumes(
         signal.signal(signal.SIGALRM, before)
     assert victim in str(died.value)
     assert not (out / "dataset.json").exists()
-    monkeypatch.setattr(driver, "_convert_one", convert)
+    monkeypatch.setattr(photos, "convert_one", convert)
     rerun = shard(cfg(src, out, **kw))
     assert rerun.converted_now < 90 or not list(out.glob("train-*.tar"))  # resumed, when a shard was finished
     assert tree_bytes(out) == tree_bytes(tmp_path / "clean")
@@ -342,12 +342,12 @@ def _faults_per_photo(paths: list[str]) -> float:
     """In a worker: page faults per photo converted, after a first one that grows the heap."""
     import resource
 
-    from fastpipe.convert.driver import _convert_one
+    from fastpipe.convert.photos import convert_one
 
-    _convert_one(paths[0])
+    convert_one(paths[0])
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for p in paths[1:]:
-        _convert_one(p)
+        convert_one(p)
     return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / (len(paths) - 1)
 
 
@@ -369,7 +369,7 @@ def test_conversion_workers_reuse_the_memory_they_free(tmp_path, monkeypatch):
     this test process allocated before; the control is a spawned process without the setting."""
     import multiprocessing
 
-    from fastpipe.convert import driver, workers
+    from fastpipe.convert import photos, workers
     from fastpipe.convert.images import ImageSettings
     from fastpipe.demo import DemoConfig, make_demo_data
 
@@ -377,12 +377,12 @@ def test_conversion_workers_reuse_the_memory_they_free(tmp_path, monkeypatch):
     paths = sorted(str(p) for p in (tmp_path / "raw").rglob("*.jpg"))
     args = (ImageSettings(), 1 << 30)
     monkeypatch.setattr(workers, "pool_context", lambda: multiprocessing.get_context("spawn"))
-    pool = workers.Workers(1, driver._init_worker, args)
+    pool = workers.Workers(1, photos.init_worker, args)
     try:
         tuned = next(pool.imap(_faults_per_photo, [paths]))
     finally:
         pool.terminate()
-    with multiprocessing.get_context("spawn").Pool(1, driver._init_worker, args) as plain:
+    with multiprocessing.get_context("spawn").Pool(1, photos.init_worker, args) as plain:
         default = plain.apply(_faults_per_photo, (paths,))
     assert tuned < 100, f"{tuned:.0f} page faults per photo in a conversion worker"
     assert default > 4 * tuned, (default, tuned)  # the control: what the setting is there for
@@ -853,3 +853,19 @@ def test_building_the_cli_imports_no_torch():
     code = "import sys, fastpipe.cli as c; c.build_parser(); print('torch' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.stdout.strip() == "False", r.stderr[-1000:]
+
+
+def test_ray_without_ray_installed_says_how_to_install_it(folder, tmp_path, monkeypatch, capsys):
+    """`--ray` (or `--ray-address`) where Ray is missing: one line with the install command, before anything is
+    read or written."""
+    import importlib.util
+
+    from fastpipe.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    for flag in (["--ray"], ["--ray-address", "10.0.0.1:6379"]):
+        assert main(["shard", str(folder), str(tmp_path / "out"), *flag]) == 2
+        err = capsys.readouterr().err
+        assert "--ray needs Ray here and on every node" in err and "pip install 'fastpipe[ray]'" in err, err
+    assert not (tmp_path / "out").exists()

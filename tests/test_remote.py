@@ -19,12 +19,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from conftest import epoch
+from conftest import epoch, make_folder
 
 from fastpipe.errors import DataError
 from fastpipe.loaders import make_loader
 from fastpipe.manifest import load
-from fastpipe.storage import RemoteError
+from fastpipe.storage import Remote, RemoteError
 from fastpipe.testing.devserver import Faults, FolderServer
 
 REAL = ["torch", "nvjpeg", pytest.param("dali", marks=pytest.mark.dali)]
@@ -457,6 +457,98 @@ def test_local_paths_are_unchanged(converted):
     assert np.isclose(sum(m.mean), sum(load(str(converted)).mean))
 
 
+def _upload(folder, url: str) -> None:
+    from fastpipe.storage import Remote
+
+    Remote(url).put_many([(p, p.relative_to(folder).as_posix()) for p in folder.rglob("*") if p.is_file()])
+
+
+def test_shard_from_a_bucket_gives_the_local_bytes_and_refuses_the_same_files(tmp_path, s3_bucket, monkeypatch,
+                                                                              capsys):
+    """`fastpipe shard s3://.../photos OUT`: the bucket is listed (not walked), and each photo is read from the store
+    by the worker that converts it. Shards, indexes, previews and rejected.jsonl are those of the same photos
+    converted from a folder: hidden files ignored alike, and every rule refusing the same files (empty, not an
+    image, cut short, a duplicate, too many pixels, too many bytes: that one refused from the listing, unread)."""
+    from conftest import aws_env, manifest_without_source, messy_photos, tree
+
+    from fastpipe.cli import main
+    from fastpipe.convert.driver import ShardConfig, shard
+
+    aws_env(monkeypatch, s3_bucket[0], tmp_path)
+    src = tmp_path / "photos"
+    limits = messy_photos(src, {"red": 10, "green": 8, "blue": 6})
+    _upload(src, "s3://leafs/raw/photos")
+    local = shard(ShardConfig(src, tmp_path / "local", short_side=32, val_fraction=0.25, max_shard_size=64 * 1024,
+                              workers=2, **limits))
+    capsys.readouterr()
+    assert main(["shard", "s3://leafs/raw/photos", str(tmp_path / "remote"), "--short-side", "32", "--val-fraction",
+                 "0.25", "--max-shard-size", "64KB", "--max-pixels", str(limits["max_pixels"]), "--max-file-size",
+                 f"{limits['max_file_size']}B", "--workers", "2"]) == 0
+    said = capsys.readouterr().out
+    assert tree(tmp_path / "remote") == tree(tmp_path / "local")
+    assert manifest_without_source(tmp_path / "remote" / "dataset.json") == \
+        manifest_without_source(tmp_path / "local" / "dataset.json")
+    assert load(tmp_path / "remote").settings["source"] == "s3://leafs/raw/photos"
+    assert sorted(local.rejected.elements()) == ["duplicate", "empty", "no-class", "not-an-image", "too-large",
+                                                 "too-large", "truncated"]
+    assert f"rejected {sum(local.rejected.values())} (2 hidden/system files ignored)" in said
+
+
+def test_a_list_in_a_bucket_takes_paths_and_urls_inside_its_folder_only(tmp_path, s3_bucket, monkeypatch):
+    """A CSV in a bucket: rows relative to its folder or URLs inside it give the shards of the same list on disk; a
+    row leaving the folder (another prefix, '..', a URL with keys in it) is refused as outside-root, its keys not
+    written; a row naming an object that is not there is refused as missing, when it is read."""
+    from conftest import aws_env, tree
+
+    from fastpipe.convert.driver import ShardConfig, shard
+
+    aws_env(monkeypatch, s3_bucket[0], tmp_path)
+    src = make_folder(tmp_path / "photos", {"red": 6, "green": 5})
+    rows = [f"{p.relative_to(src).as_posix()},{p.parent.name}" for p in sorted(src.rglob("*.jpg"))]
+    hostile = ["../secret.jpg,red", "red/missing.jpg,red"]
+    (src / "photos.csv").write_text("\n".join(rows + hostile) + "\n")
+    folder = "s3://leafs/raw/listed"
+    as_urls = [f"{folder}/{r}" if r.startswith("red/") else r for r in rows]
+    keys = ["s3://leafs/raw/other/x.jpg,red", f"s3://AKIDSECRET:abc@{folder[5:]}/red/img_000.jpg,red"]
+    _upload(src, folder)
+    Remote(folder).put_many([(_text(tmp_path / "l.csv", as_urls + hostile + keys), "photos.csv")])
+    kw = dict(short_side=32, val_fraction=0.25, max_shard_size=64 * 1024, workers=1)
+    shard(ShardConfig(src / "photos.csv", tmp_path / "local", **kw))
+    shard(ShardConfig(f"{folder}/photos.csv", tmp_path / "remote", **kw))
+    skip = ("dataset.json", "rejected.jsonl")
+    assert tree(tmp_path / "remote", skip) == tree(tmp_path / "local", skip)
+    rejected = {r["path"]: r["reason"] for r in map(json.loads, (tmp_path / "remote" / "rejected.jsonl").open())}
+    assert rejected == {"../secret.jpg": "outside-root", "red/missing.jpg": "missing",
+                        "s3://leafs/raw/other/x.jpg": "outside-root",
+                        f"s3://***@{folder[5:]}/red/img_000.jpg": "outside-root"}
+    assert b"AKIDSECRET" not in (tmp_path / "remote" / "rejected.jsonl").read_bytes()
+
+
+def test_an_http_src_is_a_list_not_a_folder(tmp_path):
+    """An http(s) server cannot be listed: a folder URL says so and what to give instead; a list there converts as
+    the same list on disk, each photo fetched by its URL."""
+    from conftest import tree
+
+    from fastpipe.convert.driver import ShardConfig, shard
+    from fastpipe.errors import ConfigError
+
+    src = make_folder(tmp_path / "photos", {"red": 5, "green": 4})
+    rows = [f"{p.relative_to(src).as_posix()},{p.parent.name}" for p in sorted(src.rglob("*.jpg"))]
+    (src / "photos.csv").write_text("\n".join(rows) + "\n")
+    kw = dict(short_side=32, val_fraction=0.25, workers=1)
+    shard(ShardConfig(src / "photos.csv", tmp_path / "local", **kw))
+    with FolderServer(src) as url:
+        shard(ShardConfig(f"{url}/photos.csv", tmp_path / "remote", **kw))
+        with pytest.raises(ConfigError, match=r"cannot be listed.*give a list instead"):
+            shard(ShardConfig(url, tmp_path / "folder", **kw))
+    assert tree(tmp_path / "remote") == tree(tmp_path / "local")
+
+
+def _text(path, rows: list[str]):
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
 def test_shard_into_s3_gives_the_local_bytes_and_leaves_only_the_cache(folder, tmp_path, s3_bucket, monkeypatch):
     """`fastpipe shard SRC s3://...` with the endpoint and keys from the standard AWS environment."""
     from fastpipe.cli import main
@@ -708,26 +800,3 @@ def test_doctor_reports_protocols_and_the_endpoint(s3_bucket, monkeypatch, capsy
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens on the discard port
     run_doctor()
     assert "does not answer" in capsys.readouterr().out
-
-
-@pytest.fixture(scope="session")
-def s3_bucket(converted):
-    """moto's S3 server on loopback (the way s3fs's own tests run), with the converted set uploaded."""
-    pytest.importorskip("moto.server")
-    s3fs = pytest.importorskip("s3fs")
-    import logging
-
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    opts = {"key": "testing", "secret": "testing", "client_kwargs": {"region_name": "us-east-1"}}
-    fs = s3fs.S3FileSystem(**{**opts, "client_kwargs": {**opts["client_kwargs"], "endpoint_url": endpoint}},
-                           skip_instance_cache=True)
-    fs.call_s3("create_bucket", Bucket="leafs")
-    fs.put(f"{converted}/", "leafs/sets/v1/", recursive=True)
-    yield endpoint, opts
-    server.stop()

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from conftest import COLORS, make_folder, photo
 
+from fastpipe.convert.discovery import discover
 from fastpipe.convert.driver import ShardConfig, shard
-from fastpipe.convert.sources import class_order, discover
+from fastpipe.convert.sources import class_order
 from fastpipe.errors import DataError
 from fastpipe.manifest import load
 

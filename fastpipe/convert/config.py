@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 from fastpipe.convert import images
-from fastpipe.errors import ConfigError
+from fastpipe.errors import ConfigError, MissingDependency
 from fastpipe.options import SEED_MAX, check, opt, parse_procs, parse_size
 from fastpipe.storage import is_url
 from fastpipe.urls import check_location
@@ -25,7 +26,8 @@ class ConvertError(ConfigError):
 
 @dataclass(frozen=True)
 class ShardConfig:
-    src: Path = opt(None, "folder of class folders (optionally train/ and val/), or a CSV/TXT list", positional=True)
+    src: Path | str = opt(None, "folder of class folders (optionally train/ and val/), a CSV/TXT list, or either in "
+                                "a store (s3://bucket/photos, gs://, az://; https://.../list.csv)", positional=True)
     out: Path = opt(None, "output folder, or a URL to upload to (s3://bucket/prefix, gs://, az://)", positional=True)
     short_side: int = opt(320, "stored shorter side in pixels, never upscaled", low=8, high=65535)
     quality: int = opt(90, "JPEG quality of the stored images", low=1, high=100)
@@ -47,10 +49,14 @@ class ShardConfig:
                                  "wrote)")
     part: int = opt(0, "this part's number, for cluster array jobs", low=0)
     parts: int = opt(1, "number of independent parts (then: fastpipe merge)", low=1, high=100_000)
+    ray: bool = opt(False, "read, decode, resize and encode the photos as tasks on a Ray cluster ($RAY_ADDRESS or "
+                           "--ray-address; else a local one of --workers CPUs); needs fastpipe[ray]")
+    ray_address: str | None = opt(None, "the Ray cluster to join: its head node, e.g. 10.0.0.1:6379; implies --ray")
 
     def settings(self) -> dict:
-        """Everything that changes the output bytes (workers and overwrite don't)."""
-        return {"source": str(Path(self.src).resolve()), "short_side": self.short_side,
+        """Everything that changes the output bytes (workers, overwrite and Ray don't)."""
+        source = self.src if is_url(self.src) else str(Path(self.src).resolve())
+        return {"source": source, "short_side": self.short_side,
                 "quality": self.quality, "val_fraction": self.val_fraction, "seed": self.seed,
                 "max_shard_size": self.shard_bytes, "min_shards": self.shard_count, "max_pixels": self.max_pixels,
                 "part": self.part, "parts": self.parts}
@@ -59,8 +65,9 @@ class ShardConfig:
         return images.ImageSettings(self.short_side, self.quality, self.max_pixels)
 
     def __post_init__(self):
-        # Paths given as text (the API, the CLI) become Paths; a URL is refused here, before anything is created.
-        object.__setattr__(self, "src", local_path(self.src, "SRC"))
+        # Paths given as text (the API, the CLI) become Paths; a URL is checked here, before anything is created.
+        object.__setattr__(self, "src", check_location(self.src, "SRC") if is_url(self.src) else
+                           local_path(self.src, "SRC"))
         object.__setattr__(self, "out", check_location(self.out, "OUT") if is_url(self.out) else
                            local_path(self.out, "OUT"))
         check(self)
@@ -69,6 +76,13 @@ class ShardConfig:
         """What one setting's range cannot say (each setting's own range is checked when the config is built)."""
         if not self.part < self.parts:
             raise ConvertError(f"--part {self.part} --parts {self.parts}: need 0 <= part < parts")
+        if self.uses_ray and importlib.util.find_spec("ray") is None:
+            raise MissingDependency("--ray needs Ray here and on every node of the cluster: pip install "
+                                    "'fastpipe[ray]' (or pip install ray)")
+
+    @property
+    def uses_ray(self) -> bool:
+        return self.ray or self.ray_address is not None
 
     @property
     def shard_bytes(self) -> int:

@@ -1,61 +1,33 @@
 """`fastpipe shard`: the parallel conversion driver.
 
-Workers decode/resize/encode; the main process writes shards in plan order (an ordered `imap`), so output is
-deterministic whatever the worker count. config.py: the settings, plan.py: the plan, journal.py: resuming,
-outputs.py: what a run may write, readers.py: the files other readers need.
+Workers read, decode, resize and encode the photos (photos.py; local processes: workers.py, or Ray tasks across a
+cluster: onray.py); this process alone writes the shards, in plan order (an ordered `imap`), so the output is the
+same bytes whatever does the work. config.py: the settings, discovery.py: what SRC holds, plan.py: the plan,
+journal.py: resuming, outputs.py: what a run may write, readers.py: the files other readers need, publish.py: OUT
+in a store.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections import Counter
 from dataclasses import asdict
-from pathlib import Path
 
 from tqdm import tqdm
 
 from fastpipe import __version__
-from fastpipe.convert import images, outputs, plan, previews, publish, readers
+from fastpipe.convert import images, outputs, photos, plan, previews, publish, readers
 from fastpipe.convert.config import SPLITS, ConvertError, ShardConfig
+from fastpipe.convert.discovery import discover
 from fastpipe.convert.journal import Journal, SplitProgress, journal_name
-from fastpipe.convert.sources import Rejection, discover
-from fastpipe.convert.summary import Summary, describe_layout
+from fastpipe.convert.sources import Rejection
+from fastpipe.convert.summary import Summary, summarise
 from fastpipe.convert.workers import Workers
 from fastpipe.convert.writer import ShardWriter
 from fastpipe.manifest import Components, Manifest, SplitInfo, Stats
 from fastpipe.shardformat import encode_label
 from fastpipe.storage import is_url
-from fastpipe.util import (
-    FileTooLarge,
-    FolderLock,
-    NotRegularFile,
-    read_regular,
-    usable_cores,
-    write_json_atomic,
-    write_jsonl_atomic,
-)
-
-# -- worker side -------------------------------------------------------------------------------------
-_SETTINGS: tuple[images.ImageSettings, int] | None = None
-
-
-def _init_worker(settings: images.ImageSettings, max_file_size: int) -> None:
-    global _SETTINGS
-    _SETTINGS = (settings, max_file_size)
-
-
-def _convert_one(path: str) -> images.Encoded | images.Rejected:
-    settings, limit = _SETTINGS
-    try:
-        data = read_regular(Path(path), limit)
-    except FileTooLarge as e:
-        return images.Rejected("too-large", f"{e}; raise --max-file-size to convert it")
-    except NotRegularFile as e:
-        return images.Rejected("not-a-file", str(e))
-    except OSError as e:
-        return images.Rejected("unreadable", f"{type(e).__name__}: {e.strerror or e}")
-    return images.process(data, settings)
+from fastpipe.util import FolderLock, usable_cores, write_json_atomic, write_jsonl_atomic
 
 
 # -- main side ---------------------------------------------------------------------------------------
@@ -121,8 +93,16 @@ class _SplitRun:
         self._closed(None, done=True)  # rejections after it, and the mark that the split is complete
 
 
-def _make_pool(workers: int, cfg: ShardConfig) -> Workers:
-    return Workers(workers, _init_worker, (cfg.image_settings(), cfg.max_file_size))
+def _make_pool(cfg: ShardConfig, source, workers: int, initargs: tuple):
+    """The processes that read and convert the photos: Ray tasks (onray.py, where Ray is imported), local worker
+    processes, or none (this process)."""
+    if cfg.uses_ray:
+        from fastpipe.convert.onray import RayWorkers
+
+        settings, limit, remote, root = initargs  # each node reads the store with credentials of its own
+        return RayWorkers(cfg.ray_address, cfg.workers, photos.init_worker,
+                          (settings, limit, remote and remote.without_credentials(), root))
+    return Workers(workers, photos.init_worker, initargs) if workers > 1 else None
 
 
 def _guard(cfg: ShardConfig, fingerprints: tuple[str, str], journal: Journal) -> bool:
@@ -151,14 +131,26 @@ def _is_hex(text: str) -> bool:
     return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
 
 
-def _convert_split(name, samples, root: Path, run: _SplitRun, classes, pool, summary: Summary) -> int:
-    todo = samples[run.pos:]
-    paths = [str(root / s.path) for s in todo]
+def _convert(runs: list[_SplitRun], source, pixels: dict[str, int], pool, summary: Summary) -> None:
+    """Every split still to do, under one progress bar (with a Ray pool: its nodes busy and tasks retried)."""
+    with tqdm(total=sum(len(r.samples) - r.pos for r in runs), desc="converting", unit="img",
+              mininterval=0.5) as bar:
+        for run in runs:
+            summary.converted_now += _convert_split(run, source, pixels, pool, bar, summary)
+
+
+def _convert_split(run: _SplitRun, source, pixels: dict[str, int], pool, bar, summary: Summary) -> int:
+    todo = run.samples[run.pos:]
+    where = [photos.location(source.root, s.path) for s in todo]
     # 4 a task: fewer messages per image; more would leave one worker idle longer at the end
-    results = pool.imap(_convert_one, paths, chunksize=4) if pool else map(_convert_one, paths)
+    results = pool.imap(photos.convert_one, where, chunksize=4, pixels=[pixels.get(s.path, 0) for s in todo]) \
+        if pool else map(photos.convert_one, where)
     try:
-        for result in tqdm(results, total=len(todo), desc=f"converting {name}", unit="img", mininterval=0.5):
-            run.add(result, classes, summary)
+        for result in results:
+            run.add(result, source.classes, summary)
+            bar.update()
+            if pool is not None:
+                bar.set_postfix_str(pool.status(), refresh=False)
     except BaseException:
         run.writer.abort()  # no half shard under a final name; the journal keeps the finished ones
         raise
@@ -192,23 +184,6 @@ def _finalize(cfg, source, progress, early: list[Rejection], ids: dict, pool) ->
     return manifest
 
 
-def _summarise(summary: Summary, cfg: ShardConfig) -> Summary:
-    data = json.loads((cfg.out / f"dataset{cfg.suffix}.json").read_text())
-    rejected_path = cfg.out / f"rejected{cfg.suffix}.jsonl"
-    summary.written = {n: sp["samples"] for n, sp in data["splits"].items()}
-    summary.layout, note = describe_layout(cfg, data["splits"])
-    summary.notes += [note] if note else []
-    if rejected_path.exists():
-        summary.rejected = Counter(json.loads(line)["reason"] for line in rejected_path.read_text().splitlines())
-    if len(data["classes"]) < 2:
-        summary.notes.append(f"only one class ({data['classes'][0]!r}): a classifier needs at least two. Expected "
-                             f"SRC/<class>/<images> with one folder per class, or a list with a label per row")
-    if not data["splits"].get("val", {}).get("samples"):
-        summary.notes.append("no validation samples: `fastpipe train` will train without evaluating "
-                             "(use --val-fraction, or SRC/train + SRC/val folders)")
-    return summary
-
-
 class _Clock:
     def __init__(self, laps: dict[str, float], start: float):
         self.laps, self.last = laps, start
@@ -221,51 +196,61 @@ class _Clock:
 def shard(cfg: ShardConfig) -> Summary:
     """Convert cfg.src into shards under cfg.out (resuming, skipping or refusing as needed; a URL: publish.py)."""
     cfg.validate()
-    if is_url(cfg.out):
-        return publish.shard_to_url(cfg, shard)
     start = time.perf_counter()
-    source = discover(cfg.src, exclude=cfg.out)
+    source = discover(cfg.src, exclude=cfg.out, limit=cfg.max_file_size)
+    if is_url(cfg.out):
+        return publish.shard_to_url(cfg, lambda staged: _shard_into(staged, source, start))
+    return _shard_into(cfg, source, start)
+
+
+def _shard_into(cfg: ShardConfig, source, start: float) -> Summary:
     cfg.out.mkdir(parents=True, exist_ok=True)
     summary = Summary(cfg.out, discovered=len(source.items) + len(source.rejections), ignored=source.ignored,
                       notes=list(source.notes))
     with FolderLock(cfg.out, f"fastpipe shard {cfg.src} {cfg.out}"):
         _run(cfg, source, summary, start)
     summary.seconds = time.perf_counter() - start
-    return _summarise(summary, cfg)
+    return summarise(summary, cfg)
+
+
+def _plan(cfg: ShardConfig, source, workers: int, pool):
+    """(this part's samples per split, each whole split's size, the plan's fingerprints, early rejections, each
+    photo's pixels)."""
+    hashes, early, pixels = plan.hash_files(source, workers, pool if cfg.uses_ray else None)
+    items, duplicates = plan.deduplicate(list(source.items), hashes)
+    by_split = plan.split_items(items, cfg.val_fraction, cfg.seed, source.multilabel)
+    ordered = {n: plan.order_split(by_split[n], source.classes, cfg.seed, salt, source.multilabel)
+               for salt, n in enumerate(SPLITS)}
+    mine = {n: [s[i] for i in plan.part_range(len(s), cfg.part, cfg.parts)] for n, s in ordered.items()}
+    # Refusals found before any decoding are recorded once, by part 0, for a cluster job.
+    early_all = list(source.rejections) + early + duplicates if cfg.part == 0 else []
+    totals = {n: len(s) for n, s in ordered.items()}  # the whole split's size: --min-shards cuts by its share
+    return mine, totals, plan.fingerprints(cfg.settings(), ordered, mine, hashes), early_all, pixels
 
 
 def _run(cfg: ShardConfig, source, summary: Summary, start: float) -> None:
     workers = usable_cores() if cfg.workers is None else cfg.workers
-    pool = _make_pool(workers, cfg) if workers > 1 else None
-    _init_worker(cfg.image_settings(), cfg.max_file_size)
+    initargs = (cfg.image_settings(), cfg.max_file_size, source.remote, None if source.remote else source.root)
+    pool = _make_pool(cfg, source, workers, initargs)
+    photos.init_worker(*initargs)  # this process converts too (no pool), and hashes
     clock = _Clock(summary.phases, start)
     try:
         clock.lap("start")
-        hashes, early = plan.hash_files(source, workers, cfg.max_file_size)
+        mine, totals, fingerprints, early, pixels = _plan(cfg, source, workers, pool)
         clock.lap("hash")
-        items, duplicates = plan.deduplicate(list(source.items), hashes)
-        by_split = plan.split_items(items, cfg.val_fraction, cfg.seed, source.multilabel)
-        ordered = {n: plan.order_split(by_split[n], source.classes, cfg.seed, salt, source.multilabel)
-                   for salt, n in enumerate(SPLITS)}
-        mine = {n: [s[i] for i in plan.part_range(len(s), cfg.part, cfg.parts)] for n, s in ordered.items()}
-        fingerprints = plan.fingerprints(cfg.settings(), ordered, mine, hashes)
         journal = Journal(cfg.out / journal_name(cfg.suffix), fingerprints[0])
         if _guard(cfg, fingerprints[:2], journal):
             summary.up_to_date = True
             return
         progress = journal.load(cfg.out)
-        for name in SPLITS:
-            p = progress.setdefault(name, SplitProgress())
-            if not p.done:
-                run = _SplitRun(name, mine[name], cfg, journal, p, len(source.classes), len(ordered[name]))
-                summary.converted_now += _convert_split(name, mine[name], source.root, run, source.classes, pool,
-                                                        summary)
+        runs = [_SplitRun(n, mine[n], cfg, journal, p, len(source.classes), totals[n]) for n in SPLITS
+                if not (p := progress.setdefault(n, SplitProgress())).done]
+        _convert(runs, source, pixels, pool, summary)
         clock.lap("convert")
-        # Refusals found before any decoding are recorded once, by part 0, for a cluster job.
-        early_all = list(source.rejections) + early + duplicates if cfg.part == 0 else []
-        _finalize(cfg, source, progress, early_all, {"fingerprint": fingerprints[0], "plan": fingerprints[2]}, pool)
+        _finalize(cfg, source, progress, early, {"fingerprint": fingerprints[0], "plan": fingerprints[2]}, pool)
         journal.remove()
         clock.lap("finish")
+        summary.notes += pool.notes() if pool is not None else []
     finally:
         if pool is not None:
             pool.terminate()

@@ -4,15 +4,20 @@ Writes a `.idx` beside each shard and a dataset.json (counts, class list, mean/s
 images), so that every other command works on them unchanged. Everything a loader worker would trip over
 (links, duplicate keys, a member beyond the end of the file, a label that is not a class index, mixed image
 types) is refused here, naming the shard and member. `--idx-only` writes the `.idx` files and nothing else: the
-repair for a missing or damaged index that never touches a manifest.
+repair for a missing or damaged index that never touches a manifest. Shards already in a store (`index_to_url`,
+`index_only_urls`) are downloaded into publish.py's staging folder, indexed there, and the new files uploaded beside
+them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
+import json
 import re
+import shutil
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +25,9 @@ from PIL import Image
 from tqdm import tqdm
 
 from fastpipe.convert import outputs, previews, readers
+from fastpipe.convert.publish import staging_folder, upload
 from fastpipe.errors import ConfigError, DataError
-from fastpipe.manifest import MANIFEST_NAME, Components, Manifest, ShardInfo, SplitInfo, Stats, save
+from fastpipe.manifest import MANIFEST_NAME, Components, Manifest, ShardInfo, SplitInfo, Stats, load, save
 from fastpipe.options import check, opt
 from fastpipe.shardformat import (
     IMAGE_EXTS,
@@ -34,6 +40,7 @@ from fastpipe.shardformat import (
     sha256_file,
     write_index,
 )
+from fastpipe.storage import Remote, is_url
 from fastpipe.util import FolderLock, local_path
 
 MAX_CLASSES = 100_000  # without --classes, a label above this is damage, not a class index
@@ -183,6 +190,15 @@ def _users_files(out: Path, names: list[str]) -> set[str]:
     return {p.name for p in outputs.foreign_conflicts(out, [], owned, names)}
 
 
+def _users_reader_files(remote: Remote) -> list[str]:
+    """Reader files (convert/readers.py) in the store that no dataset.json of ours there lists: the user's."""
+    ours = []
+    if remote.exists(MANIFEST_NAME):
+        with contextlib.suppress(ValueError, AttributeError, TypeError):
+            ours = list(json.loads(remote.cat(MANIFEST_NAME)).get("outputs", {}).get("readers", []))
+    return [n for n in readers.names(("train", "val")) if n not in ours and remote.exists(n)]
+
+
 def index_only(paths: list[Path]) -> int:
     """Write the .idx of each shard (nothing else). Returns the samples indexed."""
     total = 0
@@ -194,12 +210,8 @@ def index_only(paths: list[Path]) -> int:
 
 
 def index_shards(cfg: IndexConfig) -> Manifest:
-    from fastpipe.storage import is_url
-
     if any(is_url(str(p)) for p in [*cfg.train, *cfg.val]):
-        from fastpipe.convert.publish import index_to_url
-
-        return index_to_url(cfg, index_shards)
+        return index_to_url(cfg)
     train, val, note = _split_files(cfg)
     out = local_path(cfg.out, "--out") if cfg.out else train[0].parent
     shard_paths = {_inside(p, out) for p in train + val}
@@ -226,3 +238,54 @@ def index_shards(cfg: IndexConfig) -> Manifest:
         manifest.outputs["readers"] = readers.write(manifest, out, keep=_users_files(out, readers.names(splits)))
         save(manifest, out)
     return manifest
+
+
+def index_to_url(cfg: IndexConfig, storage_options: dict | None = None) -> Manifest:
+    """`fastpipe index URL/a.tar URL/b.tar ...`: foreign shards already in a store. Each is downloaded once into a
+    staging folder (a tar is read whole to index it), indexed there, and the `.idx` files, previews and
+    dataset.json (last) are uploaded beside the shards, which are not rewritten."""
+    urls = [str(u).rstrip("/") for u in [*cfg.train, *cfg.val]]
+    prefix = urls[0].rsplit("/", 1)[0]
+    if any(u.rsplit("/", 1)[0] != prefix for u in urls) or not all(is_url(u) for u in urls):
+        raise ConfigError(f"shards in a store are indexed together when they are all in one folder (prefix), "
+                          f"where dataset.json will go: {', '.join(urls[:3])}...")
+    if cfg.out or cfg.idx_only:
+        raise ConfigError("--out and --idx-only take local shards: shards in a store get their dataset.json and "
+                          ".idx files beside them")
+    remote = Remote(prefix, storage_options)
+    if remote.exists(MANIFEST_NAME) and not cfg.overwrite:
+        raise ConfigError(f"{prefix}/{MANIFEST_NAME} already describes a data set; `fastpipe index` would replace "
+                          f"it: add --overwrite")
+    staging = staging_folder(prefix + "#index")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    names = [u.rsplit("/", 1)[1] for u in urls]
+    theirs = _users_reader_files(remote)
+    remote.get_many([(n, staging / n) for n in names + theirs])  # theirs: kept by index_shards, as in a folder
+    local = replace(cfg, train=[staging / n for n in names[: len(cfg.train)]],
+                    val=[staging / n for n in names[len(cfg.train):]])
+    index_shards(local)
+    upload(staging, remote, skip=set(names + theirs))
+    shutil.rmtree(staging)
+    return load(prefix, storage_options)  # the manifest as the store now has it
+
+
+def index_only_urls(urls: list[str], storage_options: dict | None = None) -> int:
+    """`fastpipe index --idx-only URL/a.tar ...`: each shard downloaded once into a staging folder, indexed, and
+    its .idx uploaded beside it (nothing else is written). Returns the samples indexed."""
+    staging = staging_folder("#idx-only " + " ".join(urls))
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    total = 0
+    try:
+        for url in urls:
+            prefix, name = url.rstrip("/").rsplit("/", 1)
+            remote = Remote(prefix, storage_options)
+            remote.get_many([(name, staging / name)])
+            total += index_only([staging / name])
+            idx = index_path_for(staging / name)
+            remote.put_many([(idx, idx.name)])
+            (staging / name).unlink()
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return total

@@ -2,17 +2,24 @@
 
 Each part wrote a disjoint set of shards (`train-{part:03d}-{n:06d}.tar`), its own `dataset.part-*.json`
 with raw pixel sums, and its own `rejected.part-*.jsonl`; merging is concatenation and addition, exact.
+
+Parts in a store (`--parts N --part i` into one URL, each uploading its shards, indexes, rejections and part
+manifest last): `fastpipe merge URL` downloads only the part manifests and rejection records, fetches the few images
+its previews show (each part's manifest holds a uniform sample of each class: previews.candidates), and uploads
+rejected.jsonl, the previews and dataset.json (last), through publish.py's staging folder and upload.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 from fastpipe.convert import outputs, previews, readers
-from fastpipe.manifest import MANIFEST_NAME, Manifest, ManifestError, SplitInfo, Stats, from_dict, save
-from fastpipe.storage import is_url
+from fastpipe.convert.publish import staging_folder, upload
+from fastpipe.manifest import MANIFEST_NAME, Manifest, ManifestError, SplitInfo, Stats, from_dict, load, save
+from fastpipe.storage import Remote, is_url
 from fastpipe.util import FolderLock, local_path, write_jsonl_atomic
 
 PART_RE = re.compile(r"dataset\.part-(\d{3})-of-(\d{3})\.json$")
@@ -45,10 +52,8 @@ def _shared(settings: dict) -> dict:
 
 
 def merge_parts(out) -> Manifest:
-    """Merge the parts in folder `out`, or in a store's folder (a URL: publish.merge_to_url)."""
+    """Merge the parts in folder `out`, or in a store's folder (a URL: merge_to_url)."""
     if is_url(str(out)):
-        from fastpipe.convert.publish import merge_to_url
-
         return merge_to_url(str(out))
     out = local_path(out, "OUT")
     with FolderLock(out, "fastpipe merge"):
@@ -107,3 +112,26 @@ def _candidates(part: Manifest) -> dict:
         raise ManifestError(f"part {part.settings.get('part')}: outputs.preview_candidates is damaged (each "
                             f"sample must be [shard, offset, size] in one of the part's shards); re-run that part")
     return cands
+
+
+def merge_to_url(url: str, storage_options: dict | None = None):
+    """`fastpipe merge URL`: the part manifests and rejection records downloaded into a staging folder, merged there
+    (the few images the previews show fetched by their byte ranges), and the results uploaded, dataset.json last.
+    No shard is read whole; nothing to resume: a failed merge is run again from the store."""
+    url = url.rstrip("/")
+    remote = Remote(url, storage_options)
+    records = remote.glob("dataset.part-*-of-*.json") + remote.glob("rejected.part-*-of-*.jsonl")
+    staging = staging_folder(url + "#merge")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+
+    def read(locations):
+        return remote.ranges([(rel, off, off + size) for rel, (off, size) in locations])
+
+    try:
+        remote.get_many([(n, staging / n) for n in records])
+        merge_in(staging, read, where=url)
+        upload(staging, remote, skip=set(records))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return load(url, storage_options)

@@ -9,15 +9,13 @@ from __future__ import annotations
 import hashlib
 from collections import defaultdict
 from dataclasses import dataclass
-from functools import partial
 from multiprocessing.pool import ThreadPool
-from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
+from fastpipe.convert import images, photos
 from fastpipe.convert.sources import Item, Rejection, Source
-from fastpipe.util import FileTooLarge, NotRegularFile, read_regular
 
 
 @dataclass(frozen=True)
@@ -27,41 +25,30 @@ class Sample:
     label: int | tuple[int, ...]  # a class index, or the sorted class indices of a multi-label sample
 
 
-def _hash_one(path: str, limit: int) -> tuple[str, int] | Rejection:
-    """sha256 and size of a regular file of at most `limit` bytes; otherwise the rejection."""
-    try:
-        data = read_regular(Path(path), limit)
-    except FileTooLarge as e:
-        return Rejection(path, "too-large", f"{e}; raise --max-file-size to convert it")
-    except NotRegularFile as e:
-        return Rejection(path, "not-a-file", str(e))
-    except OSError as e:
-        return Rejection(path, "unreadable", f"{type(e).__name__}: {e.strerror or e}")
-    return hashlib.sha256(data).hexdigest(), len(data)
+def hash_files(source: Source, threads: int, pool=None) -> tuple[dict[str, str], list[Rejection], dict[str, int]]:
+    """sha256 of every file (one read each; the duplicate check needs it before any decoding), the rejections,
+    and each file's pixels as its header says (photos.hash_one; set up by photos.init_worker).
 
-
-def hash_files(source: Source, threads: int, limit: int = 1024**3) -> tuple[dict[str, str], list[Rejection]]:
-    """sha256 of every file (one read each; the duplicate check needs it before any decoding).
-
-    Threads, not the process pool: reading and hashlib release the GIL, and the conversion processes can
-    finish starting up (importing numpy and Pillow) meanwhile."""
-    paths = [str(source.root / i.path) for i in source.items]
-    pool = ThreadPool(threads) if threads > 1 else None
-    one = partial(_hash_one, limit=limit)
-    results = pool.imap(one, paths, chunksize=8) if pool else map(one, paths)
-    hashes, rejected = {}, []
-    for item, r in tqdm(zip(source.items, results), total=len(paths), desc="hashing", unit="file",
-                        leave=False, mininterval=0.5):
-        if isinstance(r, Rejection):
-            rejected.append(Rejection(item.path, r.reason, r.detail.replace(str(source.root / item.path),
-                                                                            item.path)))
+    Threads, not the process pool: reading and hashlib release the GIL, and the conversion processes can finish
+    starting up (importing numpy and Pillow) meanwhile. A store's objects are read 16 at a time at least (their
+    latency, not this machine, is what limits). `pool` (Ray's: onray.py) reads and hashes them there instead."""
+    where = [photos.location(source.root, i.path) for i in source.items]
+    threads = max(threads, 16) if source.remote is not None else threads
+    threaded = ThreadPool(threads) if pool is None and threads > 1 else None
+    mapper = pool or threaded
+    results = mapper.imap(photos.hash_one, where, chunksize=8) if mapper else map(photos.hash_one, where)
+    hashes, rejected, pixels = {}, [], {}
+    for item, loc, r in tqdm(zip(source.items, where, results), total=len(where), desc="hashing", unit="file",
+                             leave=False, mininterval=0.5):
+        if isinstance(r, images.Rejected):
+            rejected.append(Rejection(item.path, r.reason, r.detail.replace(loc, item.path)))
         elif r[1] == 0:
             rejected.append(Rejection(item.path, "empty", "0 bytes"))
         else:
-            hashes[item.path] = r[0]
-    if pool:
-        pool.close()
-    return hashes, rejected
+            hashes[item.path], pixels[item.path] = r[0], r[2]
+    if threaded:
+        threaded.close()
+    return hashes, rejected, pixels
 
 
 def deduplicate(items: list[Item], hashes: dict[str, str]) -> tuple[list[Item], list[Rejection]]:

@@ -1,16 +1,11 @@
-"""`fastpipe shard SRC s3://bucket/prefix`: a conversion written into object storage; and `fastpipe index` of
-shards already in a store (their indexes and manifest written beside them).
+"""Writing into object storage: `fastpipe shard SRC s3://bucket/prefix`, and the staging folder and upload that
+`merge` and `index` of a store use too (merge.py and foreign.py call this module; it calls neither).
 
 The conversion runs into a staging folder on this node (beside the shard cache), exactly as a local one (resumable,
 byte-deterministic), and is then uploaded: every shard, index, preview and rejection record first, several at a
 time, and `dataset.json` last, so a reader never finds a manifest whose shards are not all there. Each object is
 one PUT, complete or absent. The staging folder is deleted once the upload is complete; an interrupted run keeps
 it, and running the same command again resumes there and uploads again (the same bytes).
-
-A cluster conversion (`--parts N --part i` into one URL) uploads each part's shards, indexes, rejections and
-part manifest (last); `fastpipe merge URL` then downloads only the part manifests and rejection records, fetches
-the few images its previews show (each part's manifest holds a uniform sample of each class: previews.candidates),
-and uploads rejected.jsonl, the previews and dataset.json (last). No shard is read whole.
 
 While it converts, a thread copies each finished shard, then the journal that lists it, into the store
 (`_Mirror`): a machine lost mid-conversion is resumed by any other running the same command, which downloads the
@@ -22,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import shutil
 from dataclasses import replace
@@ -30,11 +24,8 @@ from pathlib import Path
 
 from fastpipe.cache import default_cache_dir
 from fastpipe.cachefiles import private_folder
-from fastpipe.convert import readers
 from fastpipe.convert.journal import journal_name, journal_shards
-from fastpipe.errors import ConfigError
-from fastpipe.manifest import MANIFEST_NAME, load
-from fastpipe.storage import Remote, is_url
+from fastpipe.storage import Remote
 from fastpipe.util import Ticker
 
 
@@ -125,92 +116,6 @@ def _stamp(path: Path) -> tuple | None:
     return st.st_ino, st.st_mtime_ns, st.st_size
 
 
-def merge_to_url(url: str, storage_options: dict | None = None):
-    """`fastpipe merge URL`: the parts of a cluster conversion in a store, merged (see the module's note)."""
-    from fastpipe.convert.merge import merge_in
-
-    url = url.rstrip("/")
-    remote = Remote(url, storage_options)
-    records = remote.glob("dataset.part-*-of-*.json") + remote.glob("rejected.part-*-of-*.jsonl")
-    staging = staging_folder(url + "#merge")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-
-    def read(locations):
-        return remote.ranges([(rel, off, off + size) for rel, (off, size) in locations])
-
-    try:  # nothing to resume: a failed merge is run again from the store
-        remote.get_many([(n, staging / n) for n in records])
-        merge_in(staging, read, where=url)
-        upload(staging, remote, skip=set(records))
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return load(url, storage_options)
-
-
-def index_to_url(cfg, index_shards, storage_options: dict | None = None):
-    """`fastpipe index URL/a.tar URL/b.tar ...`: foreign shards already in a store. Each is downloaded once into a
-    staging folder (a tar is read whole to index it), indexed there, and the `.idx` files, previews and
-    dataset.json (last) are uploaded beside the shards, which are not rewritten."""
-    urls = [str(u).rstrip("/") for u in [*cfg.train, *cfg.val]]
-    prefix = urls[0].rsplit("/", 1)[0]
-    if any(u.rsplit("/", 1)[0] != prefix for u in urls) or not all(is_url(u) for u in urls):
-        raise ConfigError(f"shards in a store are indexed together when they are all in one folder (prefix), "
-                          f"where dataset.json will go: {', '.join(urls[:3])}...")
-    if cfg.out or cfg.idx_only:
-        raise ConfigError("--out and --idx-only take local shards: shards in a store get their dataset.json and "
-                          ".idx files beside them")
-    remote = Remote(prefix, storage_options)
-    if remote.exists(MANIFEST_NAME) and not cfg.overwrite:
-        raise ConfigError(f"{prefix}/{MANIFEST_NAME} already describes a data set; `fastpipe index` would replace "
-                          f"it: add --overwrite")
-    staging = staging_folder(prefix + "#index")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    names = [u.rsplit("/", 1)[1] for u in urls]
-    theirs = _users_reader_files(remote)
-    remote.get_many([(n, staging / n) for n in names + theirs])  # theirs: kept by index_shards, as in a folder
-    local = replace(cfg, train=[staging / n for n in names[: len(cfg.train)]],
-                    val=[staging / n for n in names[len(cfg.train):]])
-    index_shards(local)
-    upload(staging, remote, skip=set(names + theirs))
-    shutil.rmtree(staging)
-    return load(prefix, storage_options)  # the manifest as the store now has it
-
-
-def _users_reader_files(remote: Remote) -> list[str]:
-    """Reader files (convert/readers.py) in the store that no dataset.json of ours there lists: the user's."""
-    ours = []
-    if remote.exists(MANIFEST_NAME):
-        with contextlib.suppress(ValueError, AttributeError, TypeError):
-            ours = list(json.loads(remote.cat(MANIFEST_NAME)).get("outputs", {}).get("readers", []))
-    return [n for n in readers.names(("train", "val")) if n not in ours and remote.exists(n)]
-
-
-def index_only_urls(urls: list[str], storage_options: dict | None = None) -> int:
-    """`fastpipe index --idx-only URL/a.tar ...`: each shard downloaded once into a staging folder, indexed, and
-    its .idx uploaded beside it (nothing else is written). Returns the samples indexed."""
-    from fastpipe.convert.foreign import index_only
-    from fastpipe.shardformat import index_path_for
-
-    staging = staging_folder("#idx-only " + " ".join(urls))
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    total = 0
-    try:
-        for url in urls:
-            prefix, name = url.rstrip("/").rsplit("/", 1)
-            remote = Remote(prefix, storage_options)
-            remote.get_many([(name, staging / name)])
-            total += index_only([staging / name])
-            idx = index_path_for(staging / name)
-            remote.put_many([(idx, idx.name)])
-            (staging / name).unlink()
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return total
-
-
 def upload(folder: Path, remote: Remote, skip: set[str] = frozenset()) -> None:
     """Every file fastpipe wrote in `folder` (not its lock or journal, nor those in `skip`), the manifest
     (dataset.json, or a part's dataset.part-*.json) last."""
@@ -221,4 +126,4 @@ def upload(folder: Path, remote: Remote, skip: set[str] = frozenset()) -> None:
     remote.put_many([(p, p.name) for p in last])
 
 
-__all__ = ["index_only_urls", "index_to_url", "merge_to_url", "shard_to_url", "staging_folder", "upload"]
+__all__ = ["shard_to_url", "staging_folder", "upload"]

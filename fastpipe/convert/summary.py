@@ -3,6 +3,7 @@ split and why, notes, the images that changed colour mode, and the time it took.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,3 +71,21 @@ def describe_layout(cfg, splits: dict) -> tuple[str, str | None]:
         f"{' and '.join(few)} {'has' if len(few) == 1 else 'have'} fewer than {DEFAULT_MIN_SHARDS} shards: webdataset, "
         f"Hugging Face datasets or DALI with several DataLoader workers or GPUs leave some without data (fastpipe's "
         f"own loaders do not mind); --min-shards {DEFAULT_MIN_SHARDS} cuts every split into {DEFAULT_MIN_SHARDS}")
+
+
+def summarise(summary: Summary, cfg) -> Summary:
+    """The counts read back from what the conversion wrote (dataset.json, rejected.jsonl), and its notes."""
+    data = json.loads((cfg.out / f"dataset{cfg.suffix}.json").read_text())
+    rejected_path = cfg.out / f"rejected{cfg.suffix}.jsonl"
+    summary.written = {n: sp["samples"] for n, sp in data["splits"].items()}
+    summary.layout, note = describe_layout(cfg, data["splits"])
+    summary.notes += [note] if note else []
+    if rejected_path.exists():
+        summary.rejected = Counter(json.loads(line)["reason"] for line in rejected_path.read_text().splitlines())
+    if len(data["classes"]) < 2:
+        summary.notes.append(f"only one class ({data['classes'][0]!r}): a classifier needs at least two. Expected "
+                             f"SRC/<class>/<images> with one folder per class, or a list with a label per row")
+    if not data["splits"].get("val", {}).get("samples"):
+        summary.notes.append("no validation samples: `fastpipe train` will train without evaluating "
+                             "(use --val-fraction, or SRC/train + SRC/val folders)")
+    return summary

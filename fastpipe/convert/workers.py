@@ -33,8 +33,10 @@ class Workers:
                                             initargs=(initializer, initargs))
         self.executor.submit(int)  # the processes start now (while the main process hashes), not at the first image
 
-    def imap(self, fn, items, chunksize: int = 1):
-        """fn(item) for each item, in order, `chunksize` items a task; WorkerDied if a worker process dies."""
+    def imap(self, fn, items, chunksize: int = 1, pixels: list[int] | None = None):
+        """fn(item) for each item, in order, `chunksize` items a task; WorkerDied if a worker process dies.
+        `pixels` (each item's image size) is for pools that reserve memory per task (onray.py): processes on one
+        machine share its memory."""
         items = list(items)
         chunks = iter([items[k : k + chunksize] for k in range(0, len(items), chunksize)])
         pending: collections.deque = collections.deque()
@@ -59,6 +61,14 @@ class Workers:
             pending.popleft()
             submit()
             yield from results
+
+    def status(self) -> str:
+        """What a progress bar shows beside the count (a cluster's pool says more: onray.py)."""
+        return ""
+
+    def notes(self) -> list[str]:
+        """What the summary says about where the work ran: nothing to add on one machine."""
+        return []
 
     def terminate(self) -> None:
         """Stop at once: queued tasks dropped, the processes ended (Ctrl-C, an error in the main process)."""

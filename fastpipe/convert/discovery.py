@@ -1,0 +1,29 @@
+"""Which kind of SRC this is, and the module that discovers its photos: a folder tree (sources.py), a list of
+`path,label` rows (lists.py), or either of them in a store (listing.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from fastpipe.convert.listing import from_store
+from fastpipe.convert.lists import LIST_SUFFIXES, from_list
+from fastpipe.convert.sources import Source, from_folder
+from fastpipe.errors import ConfigError
+from fastpipe.storage import is_url
+
+
+def discover(src: str | os.PathLike, exclude=None, limit: int = 1 << 30) -> Source:
+    """The items of SRC; `exclude` (the output folder or URL, when it lies inside SRC) is never entered. `limit`
+    (--max-file-size): objects in a store known from their listing to be larger are refused without being read."""
+    if is_url(str(src)):
+        return from_store(str(src), exclude, limit)
+    src = Path(src)
+    if src.is_dir():
+        return from_folder(src, None if is_url(str(exclude)) else exclude)
+    if src.is_file() and src.suffix.lower() in LIST_SUFFIXES:
+        return from_list(src)
+    if not src.exists():
+        raise ConfigError(f"{src} does not exist")
+    raise ConfigError(f"{src}: expected a folder of class folders or a list file "
+                      f"({', '.join(sorted(LIST_SUFFIXES))})")

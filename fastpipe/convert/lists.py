@@ -1,0 +1,183 @@
+"""A CSV/TXT list of `path,label` rows as a `Source`, wherever the list is: on this machine's disk (`from_list`), or
+in a store (listing.py fetches it and hands its bytes to `from_bytes`, with its own rule for where a row's path
+points).
+
+Paths are relative to the list's own folder. A header row is recognised by its words or by not naming a file, and
+reported. Multi-label lists: a label set per row (`path,"rust;scab"`, ';' or '|' between labels, empty for none; a
+header naming the column 'labels' makes every row a set, even when none holds two), or one 0/1 column per class
+after the path, named by a header (`path,rust,scab`). The summary says which reading was chosen, and why.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from fastpipe.convert.sources import Item, Rejection, Source, class_order, numeric_note
+from fastpipe.errors import DataError
+
+LIST_SUFFIXES = {".csv", ".txt", ".tsv", ".lst"}
+HEADER_WORDS = {"label", "labels", "class", "classes", "category", "target", "y", "class_id", "classid",
+                "class_name", "label_id", "path", "file", "filename", "file_name", "image", "img", "image_path",
+                "filepath", "id", "name"}
+
+
+def _is_header(row: list[str], names_file: Callable[[str], bool]) -> bool:
+    """The first row is a header when it names no file and reads like column names: a known word in either
+    column, or a first cell with no folder separator and no file extension."""
+    if len(row) < 2:
+        return False
+    first, second = row[0].strip(), row[1].strip()
+    if names_file(first):
+        return False
+    words = {first.lower(), second.lower()}
+    return bool(words & HEADER_WORDS) or ("/" not in first and "\\" not in first and "." not in first)
+
+
+def _read_rows(data: bytes, where: str, names_file) -> tuple[list[tuple[int, list[str]]], list[str] | None]:
+    """(line number, cells) of every non-empty row, and the header's cells when the first row is one. A quoted
+    cell may hold a line break (the row is then one row, and its label is refused later, not cut in two); a
+    table that csv cannot read (a cell over csv's limit, an unclosed quote) is refused naming the line."""
+    try:  # line ends as text mode reads them (\r\n and \r become \n), wherever the list comes from
+        text = data.decode("utf-8-sig").replace("\r\n", "\n").replace("\r", "\n")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where}: not UTF-8 text ({e}); save the list as UTF-8") from None
+    try:
+        dialect = csv.Sniffer().sniff(text[:4096], delimiters=",\t;")
+    except csv.Error:
+        dialect = csv.excel
+    reader = csv.reader(io.StringIO(text, newline=""), dialect)
+    rows = []
+    try:
+        for r in reader:
+            if any(c.strip() for c in r):
+                rows.append((reader.line_num, r))
+    except csv.Error as e:
+        raise DataError(f"{where}, line {reader.line_num}: not a readable CSV row ({e}): a path,label list has short "
+                        f"cells; fix or remove that line") from None
+    if rows and _is_header(rows[0][1], names_file):
+        return rows[1:], [c.strip() for c in rows[0][1]]
+    return rows, None
+
+
+_SET_SEPARATORS = re.compile(r"[;|]")
+SET_HEADERS = {"labels", "tags", "label_set", "label_list"}  # a column of label sets, named so
+MAX_LABEL = 1024  # characters: a longer "label" is damage (a cell of a whole document), not a class name
+
+
+def _label_set(text: str) -> str:
+    """'scab; rust|scab' → 'rust;scab': the canonical form of a label set."""
+    return ";".join(sorted({p.strip() for p in _SET_SEPARATORS.split(text) if p.strip()}))
+
+
+def _binary_table(header: list[str] | None, rows) -> bool:
+    """A header of a path and 2+ class columns, whose cells are mostly 0/1: one 0/1 column per class (a cell
+    that is neither is that row's problem, not a reason to read the table another way)."""
+    if not header or len(header) < 3:
+        return False
+    cells = [c.strip() for _, r in rows for c in r[1:] if c.strip()]
+    return bool(cells) and sum(c in ("0", "1") for c in cells) >= 0.9 * len(cells)
+
+
+def _list_mode(where: str, header: list[str] | None, rows) -> tuple[str, str]:
+    """("columns" | "sets" | "single", why) for the summary: how the list is read, and what decided it."""
+    if _binary_table(header, rows):
+        names = header[1:]
+        bad = sorted({n for n in names if not n} | {n for n in names if names.count(n) > 1})
+        if bad or len(names) != len(set(names)):
+            raise DataError(f"{where}: the header of a 0/1 table names each class column once, with a name (empty or "
+                            f"repeated: {', '.join(repr(n) for n in bad)}); fix the header row")
+        return "columns", f"one 0/1 column per class ({len(names)} columns named by the header)"
+    if header and len(header) > 1 and header[1].lower() in SET_HEADERS:
+        return "sets", f"the header names the label column {header[1]!r}"
+    first = next((n for n, r in rows if len(r) > 1 and _SET_SEPARATORS.search(r[1])), None)
+    if first is not None:
+        return "sets", f"line {first} holds a label set (labels joined by ';' or '|')"
+    return "single", "one label per row (a label set would be 'a;b', or a header naming the column 'labels')"
+
+
+def _check_row(place, row: list[str], lineno: int, multilabel: bool = False) -> Item | Rejection:
+    if len(row) < 2 or not row[0].strip() or (not row[1].strip() and not multilabel):
+        return Rejection(f"<line {lineno}>", "bad-row", f"expected 'path,label', got {row!r}"[:300])
+    raw = row[0].strip()
+    labels = [p.strip() for p in _SET_SEPARATORS.split(row[1])] if multilabel else [row[1].strip()]
+    odd = next((x for x in labels if len(x) > MAX_LABEL or any(ord(c) < 32 for c in x)), None)
+    if odd is not None:
+        what = "a line break or control character" if len(odd) <= MAX_LABEL else f"{len(odd)} characters"
+        return Rejection(raw[:300], "bad-label", f"line {lineno}: a label holds {what}: {odd[:60]!r}")
+    label = _label_set(row[1]) if multilabel else labels[0]
+    rel = place(raw)
+    return rel if isinstance(rel, Rejection) else Item(rel, label, None)
+
+
+def _local_place(root: Path, raw: str) -> str | Rejection:
+    """A row's path in a list on this machine: inside the list's folder (links resolved), an existing file."""
+    full = Path(raw) if os.path.isabs(raw) else root / raw
+    try:
+        rel = full.resolve().relative_to(root.resolve())
+    except ValueError:
+        return Rejection(raw, "outside-root", f"resolves outside the list's folder {root}")
+    except (OSError, RuntimeError) as e:  # a symlink loop in the path
+        return Rejection(raw, "unreadable", f"{type(e).__name__}: {e}")
+    if not full.exists():
+        return Rejection(rel.as_posix(), "missing", "no such file")
+    if not full.is_file():
+        return Rejection(rel.as_posix(), "not-a-file", "a folder, named pipe, device or socket")
+    return rel.as_posix()
+
+
+def _as_label_sets(rows, columns: list[str]) -> tuple[list, list[Rejection]]:
+    """Multi-hot rows (path, 0/1 per class) → (path, 'a;b') rows; a row with a cell that is neither 0 nor 1 (or
+    empty), or with another number of cells than the header, is rejected naming the line and the column."""
+    out, bad = [], []
+    for n, r in rows:
+        cells = [c.strip() for c in r[1:]]
+        wrong = next(((columns[k] if k < len(columns) else f"#{k + 2}", c) for k, c in enumerate(cells)
+                      if c not in ("0", "1", "")), None)
+        if wrong is None and len(cells) != len(columns):
+            wrong = ("", f"{len(cells)} cells for {len(columns)} columns")
+        if wrong is not None:
+            bad.append(Rejection(r[0].strip()[:300] or f"<line {n}>", "bad-label",
+                                 f"line {n}, column {wrong[0]!r}: {wrong[1][:60]!r} is not 0 or 1"))
+            continue
+        out.append((n, [r[0], ";".join(c for c, v in zip(columns, cells) if v == "1")]))
+    return out, bad
+
+
+def from_list(list_file: Path) -> Source:
+    """A list on this machine's disk; each row's file is checked to exist (a missing one is rejected here)."""
+    root = list_file.parent
+    return from_bytes(list_file.read_bytes(), str(list_file), root, lambda raw: _local_place(root, raw),
+                      lambda first: (root / first).is_file())
+
+
+def from_bytes(data: bytes, where: str, root, place, names_file=lambda first: False, remote=None) -> Source:
+    """The Source of a list's bytes. `where` names the list in messages; `place(raw)` turns a row's path into the
+    relative path of an item, or a Rejection; `names_file(cell)` says whether a first row's cell names a file."""
+    rows, header = _read_rows(data, where, names_file)
+    mode, why = _list_mode(where, header, rows)
+    rejections: list[Rejection] = []
+    if mode == "columns":
+        rows, rejections = _as_label_sets(rows, header[1:])
+    multilabel = mode != "single"
+    items = []
+    for lineno, row in rows:
+        checked = _check_row(place, row, lineno, multilabel)
+        (items if isinstance(checked, Item) else rejections).append(checked)
+    if not items:
+        raise DataError(f"{where}: no usable 'path,label' rows ({len(rejections)} rejected; read as "
+                        f"{'multi' if multilabel else 'single'}-label: {why})")
+    names = {n for i in items for n in i.label.split(";") if n} if multilabel else {i.label for i in items}
+    classes = tuple(header[1:]) if mode == "columns" else class_order(names)
+    notes = ((f"header row skipped: {','.join(header)!r}",) if header else ()) + numeric_note(classes)
+    notes += (f"read as a {'multi' if multilabel else 'single'}-label list: {why}",)
+    if mode == "single" and header and len(header) > 2:
+        notes += (f"columns after the label ignored: {', '.join(header[2:])}",)
+    if multilabel:
+        empty = sum(1 for i in items if not i.label)
+        notes += (f"multi-label list: {len(classes)} labels, {empty} images with none",)
+    return Source(root, tuple(items), tuple(rejections), classes, 0, notes, multilabel, remote)

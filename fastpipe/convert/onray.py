@@ -1,0 +1,293 @@
+"""The converter's photo work as tasks on a Ray cluster (`fastpipe shard SRC OUT --ray`): the only module that imports
+Ray (the `fastpipe[ray]` extra).
+
+`RayWorkers` is a pool like workers.Workers: `imap(fn, items, chunksize)` gives fn(item) for each item, in order. A few
+photos make one Ray task (`chunksize` at first, then about TASK_SECONDS of work, once results tell the photos' speed),
+which reserves 1 CPU and memory for its largest photo (its pixels, from its header, read while hashing); tasks are
+spread over the nodes, and run again by Ray when their worker process or node is lost (TASK_RETRIES). At most AHEAD
+tasks per CPU of the cluster are in flight; their results (encoded JPEGs and statistics, about 1/50 of the photos'
+bytes) come back to this process, which alone writes the shards, in plan order, as a local run does: the output is
+the same bytes whichever node converted which photo, and a task run twice is written once. So that "the same bytes"
+holds, every task reports the image libraries of its node, and a node whose versions differ from this machine's stops
+the run.
+
+A task fails for good in two ways. An exception while converting a photo (the store refused the node's credentials,
+an image library raised) comes back as a value naming the photo, and stops the run with that name: Ray does not
+retry it. A worker process or node that died on every try (a decoder that crashes on a photo, memory) is tried again
+one photo per task, so that the run stops naming the photo that crashes, and the others are converted.
+
+A small actor on this node (`_Board`) records which task runs on which node and how often each was started: the
+progress bar's "nodes busy" and "retried". Ctrl-C cancels the tasks in flight (their workers are ended).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+
+import PIL
+import ray
+from PIL import features
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from fastpipe import __version__
+from fastpipe.errors import ConfigError, DataError, FastpipeError
+from fastpipe.urls import redact
+from fastpipe.util import reuse_freed_memory, unreachable, usable_cores
+
+TASK_RETRIES = 3  # Ray's tries after the first, for a task whose worker process or node was lost
+AHEAD = 2  # tasks in flight per CPU of the cluster: one running, one ready
+TASK_SECONDS = 1.0  # the work a task is given, once the photos' speed is known: Ray's cost per task (milliseconds) is
+# then small against it, and a lost node still loses only seconds of work
+MAX_ITEMS = 64  # per task, whatever their speed
+TASK_MEMORY = 256 << 20  # bytes a task reserves besides its photos: the worker's Python, numpy, Pillow
+BYTES_PER_PIXEL = 8  # a photo's decoded planes and the colour conversion's and the resize's copies of them
+POLL_SECONDS = 1.0  # how often the progress bar asks the board (and every 10th time, the cluster's size)
+CODECS = (f"fastpipe {__version__}, Pillow {PIL.__version__}, "
+          f"libjpeg-turbo {features.version_feature('libjpeg_turbo') or 'none'}")
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """A task's answer when converting `item` raised (or, item None, setting up its worker did)."""
+
+    item: str | None
+    node: str
+    message: str
+    ours: bool  # a FastpipeError (a refused store, SRC missing on the node): its message says what to do
+
+
+@ray.remote(num_cpus=0)
+class _Board:
+    """Which task runs on which node, and how many times tasks were started (the retries)."""
+
+    def __init__(self):
+        self.running, self.seen, self.starts = {}, set(), 0
+
+    def started(self, key: int, node: str) -> None:
+        self.starts += 1
+        self.seen.add(key)
+        self.running[key] = node
+
+    def finished(self, key: int) -> None:
+        self.running.pop(key, None)
+
+    def snapshot(self) -> tuple[int, int]:
+        """(tasks started again, nodes running a task now)."""
+        return self.starts - len(self.seen), len(set(self.running.values()))
+
+
+_READY: str | None = None  # the job this worker process was set up for
+
+
+@ray.remote
+def _task(key: int, board, job: str, initializer, initargs: tuple, fn, chunk: list):
+    node = ray.get_runtime_context().get_node_id()
+    with contextlib.suppress(Exception):  # the bar's bookkeeping: never a reason to fail the photos
+        ray.get(board.started.remote(key, node), timeout=10)  # recorded before a crash can lose it
+    try:
+        _set_up(job, initializer, initargs)
+    except Exception as e:
+        return _Failed(None, node, _describe(e), isinstance(e, FastpipeError))
+    out, start = [], time.perf_counter()
+    for item in chunk:
+        try:
+            out.append(fn(item))
+        except Exception as e:
+            return _Failed(item if isinstance(item, str) else None, node, _describe(e), isinstance(e, FastpipeError))
+    board.finished.remote(key)
+    return CODECS, node, out, time.perf_counter() - start
+
+
+def _set_up(job: str, initializer, initargs: tuple) -> None:
+    global _READY
+    if job != _READY:
+        reuse_freed_memory()  # a Ray worker process runs one task at a time: ours to tune, as a local worker's
+        initializer(*initargs)
+        _READY = job
+
+
+def _describe(e: BaseException) -> str:
+    return str(e) if isinstance(e, FastpipeError) else f"{type(e).__name__}: {e}"
+
+
+class RayWorkers:
+    """The pool: Ray tasks on the cluster at `address` ($RAY_ADDRESS when None; else a local cluster of `cpus`)."""
+
+    def __init__(self, address: str | None, cpus: int | None, initializer, initargs: tuple):
+        self.where, self.connected = _connect(address, cpus)
+        self.job, self.keys = uuid.uuid4().hex, itertools.count()
+        self.initializer, self.initargs = initializer, initargs
+        here = ray.get_runtime_context().get_node_id()
+        self.board = _Board.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote()
+        self.inflight: set = set()
+        self.tasks, self.nodes_used, self.retried = 0, set(), 0
+        self._status, self._polled, self._polls = "", 0.0, 0
+        self._size()
+
+    def _size(self) -> None:
+        """The cluster's CPUs, its nodes and the most memory one of them has (nodes may come and go)."""
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        self.nodes = len(nodes)
+        self.cpus = int(sum(n["Resources"].get("CPU", 0) for n in nodes))
+        self.largest = max((n["Resources"].get("memory", 0) for n in nodes), default=0)
+
+    def imap(self, fn, items, chunksize: int = 1, pixels: list[int] | None = None):
+        """fn(item) for each item, in order; `pixels[i]`: what item i decodes (its task reserves memory for it).
+        Tasks start at `chunksize` items and grow to about TASK_SECONDS of work as results tell the items' speed."""
+        items = list(items)
+        pixels = pixels or [0] * len(items)
+        pending: collections.deque = collections.deque()
+        sent, pace = 0, _Pace(chunksize)
+        while True:
+            while sent < len(items) and len(pending) < max(2, AHEAD * self.cpus):  # nodes may have joined
+                n = pace.items()
+                chunk, largest = items[sent : sent + n], max(pixels[sent : sent + n])
+                pending.append((chunk, largest, self._submit(fn, chunk, largest)))
+                sent += n
+            if not pending:
+                return
+            chunk, largest, ref = pending.popleft()
+            yield from self._result(fn, chunk, largest, ref, pace)
+
+    def _submit(self, fn, chunk: list, largest: int, retries: int = TASK_RETRIES):
+        need = TASK_MEMORY + largest * BYTES_PER_PIXEL
+        need = min(need, self.largest) if self.largest else need  # what no node has can never be scheduled
+        ref = _task.options(memory=int(need), max_retries=retries, scheduling_strategy="SPREAD").remote(
+            next(self.keys), self.board, self.job, self.initializer, self.initargs, fn, chunk)
+        self.inflight.add(ref)
+        return ref
+
+    def _result(self, fn, chunk: list, largest: int, ref, pace: _Pace | None = None) -> list:
+        try:
+            answer = ray.get(ref)
+        except ray.exceptions.RayError as e:  # the worker process or node died on every try
+            return self._one_by_one(fn, chunk, largest, e)
+        finally:
+            self.inflight.discard(ref)
+        return self._checked(answer, pace)
+
+    def _checked(self, answer, pace: _Pace | None = None) -> list:
+        if isinstance(answer, _Failed):
+            raise _failure(answer)
+        codecs, node, out, seconds = answer
+        if pace is not None:
+            pace.took(len(out), seconds)
+        if codecs != CODECS:
+            raise ConfigError(f"Ray node {node} converts with {codecs}, this machine with {CODECS}: the shards would "
+                              f"depend on which machine converted which photo. Install the same versions on every "
+                              f"node and here")
+        self.tasks += 1
+        self.nodes_used.add(node)
+        return out
+
+    def _one_by_one(self, fn, chunk: list, largest: int, error: BaseException) -> list:
+        """Each photo of a task that failed for good again, alone in a task, so that the one to blame is named."""
+        refs = [self._submit(fn, [item], largest, retries=1) for item in chunk]
+        out = []
+        for item, ref in zip(chunk, refs):
+            try:
+                out += self._checked(ray.get(ref))
+            except ray.exceptions.RayError as e:
+                raise WorkerLost(item, e) from None
+            finally:
+                self.inflight.discard(ref)
+        return out
+
+    def status(self) -> str:
+        """For the progress bar: nodes busy of the cluster's, and the tasks started again after a loss."""
+        if time.monotonic() - self._polled >= POLL_SECONDS:
+            self._polled, self._polls = time.monotonic(), self._polls + 1
+            with contextlib.suppress(ray.exceptions.RayError):
+                self.retried, busy = ray.get(self.board.snapshot.remote(), timeout=5)
+                if self._polls % 10 == 0:
+                    self._size()
+                self._status = f"{busy}/{self.nodes} nodes busy, {self.retried} retried"
+        return self._status
+
+    def notes(self) -> list[str]:
+        self._polled = 0.0
+        self.status()
+        return [f"converted on Ray ({self.where}): {self.tasks} tasks on {len(self.nodes_used)} of {self.nodes} "
+                f"nodes, {self.retried} tasks run again after a lost worker or node"]
+
+    def terminate(self) -> None:
+        """Cancel every task in flight (Ctrl-C, an error), then leave the cluster (and stop it, if it was ours)."""
+        with contextlib.suppress(Exception):  # best effort: Ctrl-C may have reached Ray's own processes too
+            for ref in list(self.inflight):
+                ray.cancel(ref, force=True)
+            ray.kill(self.board)
+        if self.connected:
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+
+
+class _Pace:
+    """How many items the next task gets: `first` until a result tells their speed, then about TASK_SECONDS' worth."""
+
+    def __init__(self, first: int):
+        self.first, self.done, self.seconds = first, 0, 0.0
+
+    def took(self, items: int, seconds: float) -> None:
+        self.done, self.seconds = self.done + items, self.seconds + seconds
+
+    def items(self) -> int:
+        if not self.done or self.seconds <= 0:
+            return self.first
+        return max(self.first, min(MAX_ITEMS, round(TASK_SECONDS * self.done / self.seconds)))
+
+
+class WorkerLost(DataError):
+    """A photo whose conversion's worker process (or node) died on every try."""
+
+    def __init__(self, item, error: BaseException):
+        why = (str(error).strip().splitlines() or [""])[0][:300]
+        super().__init__(f"{item}: the worker process converting it died each time it was tried ({type(error).__name__}"
+                         f": {why}): a crash inside an image decoder, or out of memory on a very large photo. The "
+                         f"shards finished before are kept: move the photo aside (or give the nodes more memory), "
+                         f"then run the same command again to resume")
+
+
+def _failure(failed: _Failed) -> DataError:
+    where = f"on Ray node {failed.node[:12]}"
+    if failed.item is None:
+        return DataError(f"setting up a conversion worker {where} failed: {failed.message}")
+    if failed.ours:
+        return DataError(f"{failed.item} ({where}): {failed.message}")
+    return DataError(f"{failed.item}: converting it raised {failed.message} ({where}), where a damaged photo is a "
+                     f"rejection: move the photo aside and report it (an image library or fastpipe is at fault), then "
+                     f"run the same command again to resume")
+
+
+def _connect(address: str | None, cpus: int | None) -> tuple[str, bool]:
+    """(where the tasks run, whether this pool joined Ray and so leaves it at the end). A process already in a Ray
+    session (a notebook that called ray.init) keeps it."""
+    if ray.is_initialized():
+        return "the Ray session of this process", False
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    quiet = {"logging_level": logging.ERROR, "log_to_driver": False}
+    problem = unreachable(address) if address and address != "auto" else None
+    if problem:  # Ray's own client would try for minutes before it gave up
+        raise ConfigError(f"cannot join the Ray cluster at {redact(address)}: {problem}. Give the head node's "
+                          f"address (--ray-address or RAY_ADDRESS; `ray status` on the head prints it)")
+    try:
+        if address:
+            ray.init(address=address, **quiet)
+            return f"cluster at {redact(address)}", True
+        n = cpus or usable_cores()
+        ray.init(num_cpus=n, include_dashboard=False, **quiet)
+        return f"a local cluster of {n} CPUs", True
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise ConfigError(f"cannot join the Ray cluster at {redact(address or 'a local start')}: {first}. Give the "
+                          f"head node's address (--ray-address or RAY_ADDRESS; `ray status` on the head prints it)"
+                          ) from None
+
+
+__all__ = ["RayWorkers", "WorkerLost"]

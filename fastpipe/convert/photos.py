@@ -1,0 +1,96 @@
+"""One photo's bytes, wherever the photo is, and the per-photo work of the converter's workers: hashing it (the
+plan's duplicate check) and converting it (images.process).
+
+A photo is named by its location: a path on this machine, or a URL inside SRC's folder in a store. Either way it is
+read whole and at most --max-file-size bytes: a local file through util.read_regular (regular files only), an object
+through storage.Remote (bounded, retried, cut off past the limit). What the photo itself is to blame for becomes a
+`Rejected` (a reason of images.REASONS); what it is not (a store that keeps failing, credentials it refuses) stops
+the conversion, naming the photo: a node without credentials would otherwise reject every photo it was given.
+
+The workers (local processes, or Ray tasks: onray.py) are set up once by `init_worker`, then `hash_one` and
+`convert_one` take a location each.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import socket
+import warnings
+from pathlib import Path
+
+from PIL import Image
+
+from fastpipe.convert import images
+from fastpipe.errors import DataError
+from fastpipe.storage import Remote, RemoteError, is_url
+from fastpipe.stores import ObjectTooLarge
+from fastpipe.util import FileTooLarge, NotRegularFile, read_regular
+
+
+def location(root: Path | str, rel: str) -> str:
+    """Where the photo `rel` of SRC `root` is: a path, or a URL."""
+    return f"{root}/{rel}" if is_url(str(root)) else str(Path(root) / rel)
+
+
+def read(where: str, limit: int, remote: Remote | None = None) -> bytes | images.Rejected:
+    """The photo's bytes (at most `limit`), or why it cannot be converted. `remote`: SRC's folder, when in a store."""
+    if remote is None:
+        try:
+            return read_regular(Path(where), limit)
+        except FileTooLarge as e:
+            return images.Rejected("too-large", f"{e}; raise --max-file-size to convert it")
+        except NotRegularFile as e:
+            return images.Rejected("not-a-file", str(e))
+        except OSError as e:
+            return images.Rejected("unreadable", f"{type(e).__name__}: {e.strerror or e}")
+    try:
+        return remote.cat(where[len(remote.url) + 1:], limit)
+    except RemoteError as e:
+        if isinstance(e.__cause__, ObjectTooLarge):
+            return images.Rejected("too-large", f"{where}: more than the limit of {limit} bytes; raise "
+                                                f"--max-file-size to convert it")
+        if isinstance(e.__cause__, FileNotFoundError):
+            return images.Rejected("missing", "no such file")
+        raise
+
+
+# -- the workers' side --------------------------------------------------------------------------------------
+_STATE: tuple[images.ImageSettings, int, Remote | None] | None = None
+
+
+def init_worker(settings: images.ImageSettings, limit: int, remote: Remote | None = None, root=None) -> None:
+    """Set up this process for `hash_one` and `convert_one`. `root`: a local SRC's folder, which must be there (a
+    Ray node without the shared file system would otherwise find every photo unreadable)."""
+    global _STATE
+    if remote is None and root is not None and not Path(root).is_dir():
+        raise DataError(f"SRC {root} is not a folder on {socket.gethostname()}: with --ray, a local SRC must be at "
+                        f"the same path on every node (a shared file system); or put the photos in a store "
+                        f"(s3://, gs://, az://) and give its URL as SRC")
+    _STATE = (settings, limit, remote)
+
+
+def convert_one(where: str) -> images.Encoded | images.Rejected:
+    settings, limit, remote = _STATE
+    data = read(where, limit, remote)
+    return data if isinstance(data, images.Rejected) else images.process(data, settings)
+
+
+def hash_one(where: str) -> tuple[str, int, int] | images.Rejected:
+    """(sha256, size in bytes, pixels as the header says: 0 when it says nothing) or why the file cannot be used.
+    The pixels size what a Ray task reserves in memory to convert the photo (its header, not its data: ~0.1 ms)."""
+    _, limit, remote = _STATE
+    data = read(where, limit, remote)
+    if isinstance(data, images.Rejected):
+        return data
+    return hashlib.sha256(data).hexdigest(), len(data), _pixels(data)
+
+
+def _pixels(data: bytes) -> int:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            w, h = Image.open(io.BytesIO(data)).size
+    except Exception:  # not an image, or one Pillow refuses: converting it will say which
+        return 0
+    return w * h

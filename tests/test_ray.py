@@ -1,0 +1,247 @@
+"""`fastpipe shard --ray`: the photo work as tasks on a real Ray cluster on loopback (a head and one more node, one CPU
+each, started for these tests and stopped at the end), with SRC and OUT on disk and in moto's S3 server. Wherever a
+photo was converted, the output is the bytes of a one-machine run: with a worker killed mid-way too (Ray runs its task
+again; no photo is written twice). A photo that crashes its worker each time stops the run naming it, and the rerun
+resumes; Ctrl-C cancels the tasks in flight. Skipped where Ray is not installed (pip install 'fastpipe[ray]')."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from functools import partial
+from pathlib import Path
+
+import pytest
+from conftest import manifest_without_source, messy_photos, tree
+
+ray = pytest.importorskip("ray")
+
+from fastpipe.convert import photos  # noqa: E402
+from fastpipe.convert.driver import ShardConfig, shard  # noqa: E402
+from fastpipe.storage import Remote  # noqa: E402
+
+TIMEOUT = 240  # seconds a test may take: a cluster that hangs fails its test instead of holding the machine
+BUCKET_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture(autouse=True)
+def bounded():
+    def hung(*_):
+        raise TimeoutError(f"a Ray test ran over {TIMEOUT} s")
+
+    before = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(TIMEOUT)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, before)
+
+
+@pytest.fixture(scope="module")
+def cluster(s3_bucket):
+    """A head node and one more, 1 CPU each. Like the nodes of any cluster, they read the bucket with credentials of
+    their own: the AWS variables of the environment they start in (fastpipe does not send this machine's)."""
+    from ray.cluster_utils import Cluster
+
+    env = {"AWS_ENDPOINT_URL": s3_bucket[0], **BUCKET_ENV}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the stand-ins below run on the nodes
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        nodes.add_node(num_cpus=1)
+        nodes.wait_for_nodes()
+        yield nodes
+    finally:
+        nodes.shutdown()
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+@pytest.fixture(scope="module")
+def data(cluster, tmp_path_factory):
+    """60 small photos and one file for each rejection rule, on disk and in the bucket, and their conversion on one
+    machine in one process: the reference every Ray run must equal."""
+    base = tmp_path_factory.mktemp("ray")
+    src = base / "photos"
+    limits = messy_photos(src, {"red": 24, "green": 20, "blue": 16})
+    Remote("s3://leafs/ray/photos").put_many([(p, p.relative_to(src).as_posix()) for p in src.rglob("*")
+                                               if p.is_file()])
+    kw = dict(short_side=32, val_fraction=0.25, max_shard_size=64 * 1024, **limits)
+    shard(ShardConfig(src, base / "reference", workers=1, **kw))
+    return src, kw, base / "reference"
+
+
+def same_as_reference(out: Path, reference: Path) -> None:
+    assert tree(out) == tree(reference)  # shards, indexes, previews, rejected.jsonl
+    assert manifest_without_source(out / "dataset.json") == manifest_without_source(reference / "dataset.json")
+
+
+def ray_note(summary) -> str:
+    return next(n for n in summary.notes if n.startswith("converted on Ray"))
+
+
+def test_a_conversion_on_ray_is_the_bytes_of_one_machine(cluster, data, tmp_path, monkeypatch):
+    """SRC and OUT on disk (the nodes share it, as a cluster's shared file system): every node converts."""
+    src, kw, reference = data
+    summary = shard(ShardConfig(src, tmp_path / "out", ray_address=cluster.address, **kw))
+    same_as_reference(tmp_path / "out", reference)
+    assert "on 2 of 2 nodes" in ray_note(summary), summary.notes
+
+
+def test_from_a_bucket_into_a_bucket_on_ray(cluster, data, tmp_path, monkeypatch, capsys):
+    """`fastpipe shard s3://... s3://... --ray-address ...`: the bucket is listed here, each node reads the photos it
+    converts from the store itself, and the set written into the bucket is the same bytes."""
+    from fastpipe.cli import main
+
+    _, kw, reference = data
+    monkeypatch.setenv("FASTPIPE_CACHE", str(tmp_path / "cache" / "shards"))
+    flags = ["--short-side", "32", "--val-fraction", "0.25", "--max-shard-size", "64KB", "--max-pixels",
+             str(kw["max_pixels"]), "--max-file-size", f"{kw['max_file_size']}B"]
+    url = "s3://leafs/ray/sets/v1"
+    assert main(["shard", "s3://leafs/ray/photos", url, "--ray-address", cluster.address, *flags]) == 0
+    assert re.search(r"converted on Ray \(cluster at .*\): \d+ tasks on 2 of 2 nodes", capsys.readouterr().out)
+    store = Remote(url)
+    store.get_many([(rel, _local(tmp_path / "out" / rel)) for rel, _ in store.listing()])
+    same_as_reference(tmp_path / "out", reference)
+
+
+def _local(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _kills_its_worker_once(where: str, marker: str, flag: str):
+    """The per-photo step, its worker process killed (as by the system) the first time it meets `marker`."""
+    from fastpipe.convert import photos
+
+    if where.endswith(marker) and not os.path.exists(flag):
+        Path(flag).touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return photos.convert_one(where)
+
+
+def test_a_worker_killed_mid_way_is_run_again_and_the_bytes_are_the_same(cluster, data, tmp_path, monkeypatch):
+    src, kw, reference = data
+    flag = tmp_path / "killed"
+    monkeypatch.setattr(photos, "convert_one", partial(_kills_its_worker_once, marker="red/img_005.jpg",
+                                                       flag=str(flag)))
+    summary = shard(ShardConfig(src, tmp_path / "out", ray_address=cluster.address, **kw))
+    assert flag.exists()  # the worker was killed ...
+    again = re.search(r"(\d+) tasks run again", ray_note(summary))
+    assert again and int(again.group(1)) >= 1, summary.notes  # ... its task run again ...
+    same_as_reference(tmp_path / "out", reference)  # ... and every photo written once, in its place
+
+
+def _crashes_on(where: str, marker: str, how: str):
+    """A decoder that crashes its process (or raises) on one photo, whatever the try."""
+    from fastpipe.convert import photos
+
+    if where.endswith(marker):
+        if how == "crash":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise ValueError("the decoder lost its way")
+    return photos.convert_one(where)
+
+
+def last_train_photo(reference: Path) -> str:
+    """The path of the last sample of the train split: a crash there comes after the first shards are done."""
+    import json
+    import tarfile
+
+    last = sorted(reference.glob("train-*.tar"))[-1]
+    with tarfile.open(last) as tf:
+        metas = [json.loads(tf.extractfile(m).read()) for m in tf.getmembers() if m.name.endswith(".json")]
+    return metas[-1]["path"]
+
+
+def test_a_photo_that_fails_each_time_stops_the_run_naming_it_and_the_rerun_resumes(cluster, data, tmp_path,
+                                                                                   monkeypatch):
+    from fastpipe.errors import DataError
+
+    src, kw, reference = data
+    marker = last_train_photo(reference)
+    cfg = ShardConfig(src, tmp_path / "out", ray_address=cluster.address, **kw)
+    monkeypatch.setattr(photos, "convert_one", partial(_crashes_on, marker=marker, how="raise"))
+    with pytest.raises(DataError, match=rf"{re.escape(marker)}: converting it raised ValueError: the decoder lost"):
+        shard(cfg)
+    monkeypatch.setattr(photos, "convert_one", partial(_crashes_on, marker=marker, how="crash"))
+    with pytest.raises(DataError, match=rf"{re.escape(marker)}: the worker process converting it died each time"):
+        shard(cfg)
+    assert not (tmp_path / "out" / "dataset.json").exists() and list((tmp_path / "out").glob("train-*.tar"))
+    monkeypatch.undo()
+    rerun = shard(cfg)
+    assert 0 < rerun.converted_now < sum(rerun.written.values())  # resumed after the shards finished before
+    same_as_reference(tmp_path / "out", reference)
+
+
+def _blocks(where: str, started: str):
+    """A photo that takes longer than any test: its task holds its CPU until it is cancelled."""
+    Path(started, str(os.getpid())).touch()
+    time.sleep(600)
+
+
+def test_ctrl_c_cancels_the_tasks_in_flight(cluster, data, tmp_path, monkeypatch):
+    src, kw, _ = data
+    started = tmp_path / "started"
+    started.mkdir()
+    monkeypatch.setattr(photos, "convert_one", partial(_blocks, started=str(started)))
+
+    def interrupt_once_both_cpus_are_busy():
+        deadline = time.monotonic() + TIMEOUT
+        while len(list(started.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_once_both_cpus_are_busy, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        shard(ShardConfig(src, tmp_path / "out", ray_address=cluster.address, **kw))
+    assert not list((tmp_path / "out").glob("*.tmp"))
+    ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
+    try:  # both CPUs free again, long before a blocked task would end by itself: the tasks were cancelled
+        deadline = time.monotonic() + 60
+        while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ray.available_resources().get("CPU", 0) == 2
+    finally:
+        ray.shutdown()
+
+
+def test_doctor_names_ray_and_the_cluster_it_would_join(cluster, monkeypatch, capsys):
+    from fastpipe.doctor import run_doctor
+
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    run_doctor()
+    out = capsys.readouterr().out
+    assert f"{ray.__version__}; `shard --ray` joins the cluster at RAY_ADDRESS={cluster.address} (it answers)" in out
+
+
+def test_an_address_where_no_cluster_answers_is_said_at_once(data, tmp_path):
+    """Ray's own client tries a wrong address for minutes; the run says so at once, with what to give instead."""
+    from fastpipe.errors import ConfigError
+
+    src, kw, _ = data
+    with pytest.raises(ConfigError, match=r"cannot join the Ray cluster at 127\.0\.0\.1:9: .* does not answer"):
+        shard(ShardConfig(src, tmp_path / "out", ray_address="127.0.0.1:9", **kw))
+
+
+def test_tasks_grow_to_about_a_second_of_work():
+    """A task starts with the few items it is given, then about TASK_SECONDS of them once results tell their speed
+    (Ray's cost per task is then small against its work), never more than MAX_ITEMS."""
+    from fastpipe.convert.onray import MAX_ITEMS, TASK_SECONDS, _Pace
+
+    pace = _Pace(4)
+    assert pace.items() == 4
+    pace.took(4, 0.4)  # 0.1 s an item
+    assert pace.items() == round(TASK_SECONDS / 0.1)
+    pace.took(6, 0.4)  # 0.08 s an item, over all results so far
+    assert pace.items() == round(TASK_SECONDS / 0.08)
+    fast = _Pace(4)
+    fast.took(8, 0.0008)
+    assert fast.items() == MAX_ITEMS
+    slow = _Pace(4)
+    slow.took(4, 40.0)  # 10 s an item: never below the first size
+    assert slow.items() == 4
