@@ -408,10 +408,11 @@ def test_ctrl_c_while_a_shard_closes_leaves_a_folder_the_rerun_resumes(tmp_path,
 
     monkeypatch.setattr(os, "replace", replace)
     out = tmp_path / "out"
+    handlers = {s.name: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # said if this fails
     with pytest.raises(KeyboardInterrupt):
         shard(cfg(src, out, **kw))
     monkeypatch.setattr(os, "replace", real)
-    assert sent and not list(out.glob("*.tmp"))
+    assert sent and not list(out.glob("*.tmp")), (handlers, sorted(p.name for p in out.iterdir()))
     rerun = shard(cfg(src, out, **kw))
     assert 0 < rerun.converted_now < 24
     assert tree_bytes(out) == tree_bytes(tmp_path / "clean")

@@ -2,7 +2,8 @@
 each, started for these tests and stopped at the end), with SRC and OUT on disk and in moto's S3 server. Wherever a
 photo was converted, the output is the bytes of a one-machine run: with a worker killed mid-way too (Ray runs its task
 again; no photo is written twice). A photo that crashes its worker each time stops the run naming it, and the rerun
-resumes; Ctrl-C cancels the tasks in flight. Skipped where Ray is not installed (pip install 'fastpipe[ray]')."""
+resumes; Ctrl-C cancels the tasks in flight. Skipped where Ray is not installed (pip install 'fastpipe[ray]'); the tests
+that kill and restart Ray's worker processes run with -m slow."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from fastpipe.convert import photos  # noqa: E402
 from fastpipe.convert.driver import ShardConfig, shard  # noqa: E402
 from fastpipe.storage import Remote  # noqa: E402
 
-TIMEOUT = 240  # seconds a test may take: a cluster that hangs fails its test instead of holding the machine
+TIMEOUT = 600  # seconds a test may take: a cluster that hangs fails its test instead of holding the machine
 BUCKET_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
@@ -124,6 +125,7 @@ def _kills_its_worker_once(where: str, marker: str, flag: str):
     return photos.convert_one(where)
 
 
+@pytest.mark.slow  # worker processes killed and started again: minutes on a busy 2-core machine
 def test_a_worker_killed_mid_way_is_run_again_and_the_bytes_are_the_same(cluster, data, tmp_path, monkeypatch):
     src, kw, reference = data
     flag = tmp_path / "killed"
@@ -158,6 +160,7 @@ def last_train_photo(reference: Path) -> str:
     return metas[-1]["path"]
 
 
+@pytest.mark.slow  # worker processes killed and started again: minutes on a busy 2-core machine
 def test_a_photo_that_fails_each_time_stops_the_run_naming_it_and_the_rerun_resumes(cluster, data, tmp_path,
                                                                                    monkeypatch):
     from fastpipe.errors import DataError
@@ -184,6 +187,7 @@ def _blocks(where: str, started: str):
     time.sleep(600)
 
 
+@pytest.mark.slow  # worker processes killed and started again: minutes on a busy 2-core machine
 def test_ctrl_c_cancels_the_tasks_in_flight(cluster, data, tmp_path, monkeypatch):
     src, kw, _ = data
     started = tmp_path / "started"
@@ -194,7 +198,7 @@ def test_ctrl_c_cancels_the_tasks_in_flight(cluster, data, tmp_path, monkeypatch
         deadline = time.monotonic() + TIMEOUT
         while len(list(started.iterdir())) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGINT)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # as Ctrl-C reaches the main thread
 
     threading.Thread(target=interrupt_once_both_cpus_are_busy, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):

@@ -166,7 +166,7 @@ class RayWorkers:
 
     def _result(self, fn, chunk: list, largest: int, ref, pace: _Pace | None = None) -> list:
         try:
-            answer = ray.get(ref)
+            answer = _get(ref)
         except ray.exceptions.RayError as e:  # the worker process or node died on every try
             return self._one_by_one(fn, chunk, largest, e)
         finally:
@@ -193,7 +193,7 @@ class RayWorkers:
         out = []
         for item, ref in zip(chunk, refs):
             try:
-                out += self._checked(ray.get(ref))
+                out += self._checked(_get(ref))
             except ray.exceptions.RayError as e:
                 raise WorkerLost(item, e) from None
             finally:
@@ -226,6 +226,16 @@ class RayWorkers:
         if self.connected:
             with contextlib.suppress(Exception):
                 ray.shutdown()
+
+
+def _get(ref):
+    """ray.get, back in Python every second: a wait inside Ray's client does not always run Python's signal
+    handlers, so Ctrl-C (or SIGTERM) would wait for the task to end."""
+    while True:
+        try:
+            return ray.get(ref, timeout=1.0)
+        except ray.exceptions.GetTimeoutError:
+            continue
 
 
 class _Pace:
