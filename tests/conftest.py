@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 from pathlib import Path
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # tqdm reads it once, at import: set before fastpipe imports it
+# A shell starts a command run in the background (`cmd &`, nohup, some CI runners) with SIGINT ignored, and Python
+# then never turns Ctrl-C into KeyboardInterrupt. The tests of Ctrl-C need it as a terminal gives it.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import numpy as np
 import pytest
