@@ -361,8 +361,9 @@ def test_ctrl_c_and_sigterm_leave_a_summary_and_the_resume_command(converted, tm
     p = subprocess.Popen([sys.executable, "-m", "fastpipe", "train", str(converted), "--epochs", "50",
                           "--batch-size", "8", "--image-size", "32", "--device", "cpu", "--workers", "1",
                           "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not (out / "metrics.jsonl").exists() and time.time() < deadline and p.poll() is None:
+    deadline = time.time() + 300  # a bound, not a timing: the run's first logged step is the event waited for
+    metrics = out / "metrics.jsonl"  # made empty at the start, before training (and its signal handling) begins
+    while not (metrics.exists() and metrics.stat().st_size) and time.time() < deadline and p.poll() is None:
         time.sleep(0.05)
     p.send_signal(sig)
     _, err = p.communicate(timeout=120)
