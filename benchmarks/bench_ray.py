@@ -11,8 +11,10 @@ drift in the machine's speed hits all alike. Reported: the median over rounds wi
 of its phases (start: joining the cluster or starting the pool; hash: reading and hashing every photo, on the cluster
 for Ray; convert; finish: rejections, previews, manifest); and Ray's extra time split into what each photo costs and
 what each job costs, from the two sizes, paired by round: per photo = the growth of (Ray - one machine) from the
-smaller to the larger collection, divided by the photos added; per job = the rest. Every pair of outputs is compared
-byte for byte.
+smaller to the larger collection, divided by the photos added; per job = the rest. The same split for CPU time: the
+machine's busy CPU seconds during the call (all processes; Linux), and of those, Ray's own processes' (raylet, GCS,
+agents: what a Ray node runs besides the tasks) -- CPU time is what equal cores share, and it varies less than wall
+time on a shared machine. Every pair of outputs is compared byte for byte.
 """
 
 from __future__ import annotations
@@ -45,14 +47,42 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
+def machine_cpu_s() -> float:
+    """CPU seconds the whole machine has spent busy since boot (all cores; Linux /proc/stat), 0 elsewhere."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except OSError:
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[:7])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def ray_daemons_cpu_s() -> float:
+    """CPU seconds used so far by Ray's own long-lived processes on this machine (raylet, GCS, agents, monitors), not
+    its worker processes (they run the photos) nor this one."""
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            cmd = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ours = ("raylet" in cmd or "gcs_server" in cmd or "/ray/" in cmd) and "default_worker" not in cmd
+        if ours and int(stat.parent.name) != os.getpid():
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def one(kind: str, raw: str, out: str, address: str, cpus: int) -> dict:
-    """One conversion in this (fresh) process: its wall time and phases."""
+    """One conversion in this (fresh) process: its wall time and phases, the CPU time the machine spent in it, and
+    the share of that used by Ray's own processes."""
     from fastpipe.convert.driver import ShardConfig, shard
 
-    start = time.perf_counter()
+    cpu, daemons, start = machine_cpu_s(), ray_daemons_cpu_s(), time.perf_counter()
     summary = shard(ShardConfig(raw, out, workers=cpus, ray_address=address if kind == "ray" else None))
     wall = time.perf_counter() - start
     return {"wall_s": wall, "phases_s": dict(summary.phases), "files": summary.discovered,
+            "cpu_s": machine_cpu_s() - cpu, "ray_daemons_cpu_s": ray_daemons_cpu_s() - daemons,
             "notes": [n for n in summary.notes if "Ray" in n]}
 
 
@@ -90,27 +120,35 @@ def summarise(runs: dict, same: list[bool]) -> dict:
     small, large = sorted({n for n, _ in runs})
     phases = list(runs[large, "ray"][0]["phases_s"])
 
+    def get(x: dict, what: str) -> float:
+        named = {"whole call": x["wall_s"], "CPU": x["cpu_s"], "Ray's own processes' CPU": x["ray_daemons_cpu_s"]}
+        return named[what] if what in named else x["phases_s"][what]
+
     def extra(n: int, what: str) -> list[float]:  # Ray's seconds less one machine's, per round
-        get = (lambda x: x["wall_s"]) if what == "whole call" else (lambda x: x["phases_s"][what])
-        return [get(b) - get(a) for a, b in zip(runs[n, "one machine"], runs[n, "ray"])]
+        return [get(b, what) - get(a, what) for a, b in zip(runs[n, "one machine"], runs[n, "ray"])]
 
     variants = {f"{n} {k}": {"files": v[0]["files"], "wall_s": spread([x["wall_s"] for x in v]),
+                             "cpu_s": spread([x["cpu_s"] for x in v]),
+                             "ray_daemons_cpu_s": spread([x["ray_daemons_cpu_s"] for x in v]),
                              "phases_s": {p: spread([x["phases_s"][p] for x in v]) for p in phases}}
                 for (n, k), v in runs.items()}
     added = runs[large, "ray"][0]["files"] - runs[small, "ray"][0]["files"]
     split = {}
-    for what in ("whole call", *phases):
+    for what in ("whole call", *phases, "CPU", "Ray's own processes' CPU"):
         per_photo = [(b - a) / added for a, b in zip(extra(small, what), extra(large, what))]
         split[what] = {"ms_per_photo": spread([x * 1e3 for x in per_photo]),
                        "s_per_job": spread([a - x * runs[small, "ray"][0]["files"]
                                             for a, x in zip(extra(small, what), per_photo)])}
     one_photo = spread([(b["wall_s"] - a["wall_s"]) / added * 1e3 for a, b in
                         zip(runs[small, "one machine"], runs[large, "one machine"])])
+    one_photo_cpu = spread([(b["cpu_s"] - a["cpu_s"]) / added * 1e3 for a, b in
+                            zip(runs[small, "one machine"], runs[large, "one machine"])])
     ratio = {f"{n} {what}": spread([(b["wall_s"] if what == "whole call" else b["phases_s"]["convert"])
                                     / (a["wall_s"] if what == "whole call" else a["phases_s"]["convert"])
                                     for a, b in zip(runs[n, "one machine"], runs[n, "ray"])])
              for n in (small, large) for what in ("whole call", "convert phase")}
     return {"variants": variants, "ray_extra": split, "one_machine_ms_per_photo": one_photo,
+            "one_machine_cpu_ms_per_photo": one_photo_cpu,
             "ray_over_one_machine": ratio, "outputs_byte_identical": all(same),
             "ray_notes": runs[large, "ray"][-1]["notes"]}
 
@@ -121,9 +159,10 @@ def table(res: dict) -> str:
 
     lines = [f"{res['cpus']} CPUs, {res['rounds']} rounds (median, range)"]
     for name, v in res["variants"].items():
-        lines.append(f"{name:18s} {v['files']} files  {r(v['wall_s'])} s  "
+        lines.append(f"{name:18s} {v['files']} files  {r(v['wall_s'])} s  CPU {r(v['cpu_s'])} s  "
                      + "  ".join(f"{p} {r(s)}" for p, s in v["phases_s"].items()))
-    lines.append(f"one machine: {r(res['one_machine_ms_per_photo'])} ms per photo (the growth between the sizes)")
+    lines.append(f"one machine: {r(res['one_machine_ms_per_photo'])} ms per photo, "
+                 f"{r(res['one_machine_cpu_ms_per_photo'])} CPU ms per photo (the growth between the sizes)")
     lines += [f"Ray's extra, {what}: {r(x['ms_per_photo'])} ms per photo + {r(x['s_per_job'])} s per job"
               for what, x in res["ray_extra"].items()]
     lines += [f"Ray / one machine, {k}: {r(v, '.3f')}" for k, v in res["ray_over_one_machine"].items()]

@@ -234,18 +234,21 @@ def test_an_address_where_no_cluster_answers_is_said_at_once(data, tmp_path):
 
 def test_tasks_grow_to_about_a_second_of_work():
     """A task starts with the few items it is given, then about TASK_SECONDS of them once results tell their speed
-    (Ray's cost per task is then small against its work), never more than MAX_ITEMS."""
+    (Ray's cost per task is then small against its work), never more than MAX_ITEMS, and near the end an equal
+    share of what is left per CPU."""
     from fastpipe.convert.onray import MAX_ITEMS, TASK_SECONDS, _Pace
 
     pace = _Pace(4)
-    assert pace.items() == 4
+    assert pace.items(1000, 2) == 4
     pace.took(4, 0.4)  # 0.1 s an item
-    assert pace.items() == round(TASK_SECONDS / 0.1)
+    assert pace.items(1000, 2) == round(TASK_SECONDS / 0.1)
     pace.took(6, 0.4)  # 0.08 s an item, over all results so far
-    assert pace.items() == round(TASK_SECONDS / 0.08)
+    assert pace.items(1000, 2) == round(TASK_SECONDS / 0.08)
     fast = _Pace(4)
     fast.took(8, 0.0008)
-    assert fast.items() == MAX_ITEMS
+    assert fast.items(1000, 2) == MAX_ITEMS
     slow = _Pace(4)
     slow.took(4, 40.0)  # 10 s an item: never below the first size
-    assert slow.items() == 4
+    assert slow.items(1000, 2) == 4
+    ending = [pace.items(left, 2) for left in (25, 12, 6, 3, 1)]  # the last tasks shrink so that the CPUs end together
+    assert ending == [12, 6, 3, 2, 1]

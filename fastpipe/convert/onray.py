@@ -90,7 +90,8 @@ _READY: str | None = None  # the job this worker process was set up for
 def _task(key: int, board, job: str, initializer, initargs: tuple, fn, chunk: list):
     node = ray.get_runtime_context().get_node_id()
     with contextlib.suppress(Exception):  # the bar's bookkeeping: never a reason to fail the photos
-        ray.get(board.started.remote(key, node), timeout=10)  # recorded before a crash can lose it
+        board.started.remote(key, node)  # not waited for: a task blocked in ray.get gives its CPU back, and Ray
+        # then starts a worker process for a queued task, only to end it again (about a CPU second each time)
     try:
         _set_up(job, initializer, initargs)
     except Exception as e:
@@ -147,7 +148,7 @@ class RayWorkers:
         sent, pace = 0, _Pace(chunksize)
         while True:
             while sent < len(items) and len(pending) < max(2, AHEAD * self.cpus):  # nodes may have joined
-                n = pace.items()
+                n = pace.items(len(items) - sent, self.cpus)
                 chunk, largest = items[sent : sent + n], max(pixels[sent : sent + n])
                 pending.append((chunk, largest, self._submit(fn, chunk, largest)))
                 sent += n
@@ -239,7 +240,9 @@ def _get(ref):
 
 
 class _Pace:
-    """How many items the next task gets: `first` until a result tells their speed, then about TASK_SECONDS' worth."""
+    """How many items the next task gets: `first` until a result tells their speed, then about TASK_SECONDS' worth;
+    near the end, no more than an equal share of what is left per CPU, so that the last tasks end together rather
+    than one CPU converting a whole task's photos while the others wait."""
 
     def __init__(self, first: int):
         self.first, self.done, self.seconds = first, 0, 0.0
@@ -247,10 +250,11 @@ class _Pace:
     def took(self, items: int, seconds: float) -> None:
         self.done, self.seconds = self.done + items, self.seconds + seconds
 
-    def items(self) -> int:
-        if not self.done or self.seconds <= 0:
-            return self.first
-        return max(self.first, min(MAX_ITEMS, round(TASK_SECONDS * self.done / self.seconds)))
+    def items(self, left: int, cpus: int) -> int:
+        size = self.first
+        if self.done and self.seconds > 0:
+            size = max(self.first, min(MAX_ITEMS, round(TASK_SECONDS * self.done / self.seconds)))
+        return max(1, min(size, -(-left // max(1, cpus))))
 
 
 class WorkerLost(DataError):
