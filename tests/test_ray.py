@@ -7,6 +7,7 @@ that kill and restart Ray's worker processes run with -m slow."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -123,6 +124,26 @@ def _kills_its_worker_once(where: str, marker: str, flag: str):
         Path(flag).touch()
         os.kill(os.getpid(), signal.SIGKILL)
     return photos.convert_one(where)
+
+
+def _dies_on_its_first_try(flag: str) -> int:
+    from fastpipe.convert.onray import _attempt
+
+    if not os.path.exists(flag):
+        Path(flag).touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _attempt()
+
+
+def test_a_task_run_again_says_so(cluster, tmp_path):
+    """Retries are counted from the try each task reports (the progress record of a lost try is not waited for, so
+    it may never arrive): a task whose first worker process died reports its second try."""
+    ray.init(address=cluster.address, logging_level=logging.ERROR, log_to_driver=False)
+    try:
+        task = ray.remote(max_retries=1)(_dies_on_its_first_try)
+        assert ray.get(task.remote(str(tmp_path / "died")), timeout=TIMEOUT / 2) == 1
+    finally:
+        ray.shutdown()
 
 
 @pytest.mark.slow  # worker processes killed and started again: minutes on a busy 2-core machine

@@ -17,7 +17,9 @@ retry it. A worker process or node that died on every try (a decoder that crashe
 one photo per task, so that the run stops naming the photo that crashes, and the others are converted.
 
 A small actor on this node (`_Board`) records which task runs on which node and how often each was started: the
-progress bar's "nodes busy" and "retried". Ctrl-C cancels the tasks in flight (their workers are ended).
+progress bar's "nodes busy" and "retried"; as its records are not waited for (see _task), a task also returns which
+try of it this was, so that a retry is counted even where the record of the lost try never arrived. Ctrl-C cancels
+the tasks in flight (their workers are ended).
 """
 
 from __future__ import annotations
@@ -103,7 +105,14 @@ def _task(key: int, board, job: str, initializer, initargs: tuple, fn, chunk: li
         except Exception as e:
             return _Failed(item if isinstance(item, str) else None, node, _describe(e), isinstance(e, FastpipeError))
     board.finished.remote(key)
-    return CODECS, node, out, time.perf_counter() - start
+    return CODECS, node, out, time.perf_counter() - start, _attempt()
+
+
+def _attempt() -> int:
+    """Which try of this task this is (0: the first), from Ray's worker; 0 where this Ray version does not say."""
+    with contextlib.suppress(Exception):  # not a public call: the board's count still stands without it
+        return int(ray._private.worker.global_worker.core_worker.get_current_task_attempt_number())
+    return 0
 
 
 def _set_up(job: str, initializer, initargs: tuple) -> None:
@@ -128,7 +137,7 @@ class RayWorkers:
         here = ray.get_runtime_context().get_node_id()
         self.board = _Board.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote()
         self.inflight: set = set()
-        self.tasks, self.nodes_used, self.retried = 0, set(), 0
+        self.tasks, self.nodes_used, self.retried, self.attempts = 0, set(), 0, 0
         self._status, self._polled, self._polls = "", 0.0, 0
         self._size()
 
@@ -177,13 +186,15 @@ class RayWorkers:
     def _checked(self, answer, pace: _Pace | None = None) -> list:
         if isinstance(answer, _Failed):
             raise _failure(answer)
-        codecs, node, out, seconds = answer
-        if pace is not None:
-            pace.took(len(out), seconds)
+        codecs, node = answer[:2]  # first: another fastpipe version may answer in another shape
         if codecs != CODECS:
             raise ConfigError(f"Ray node {node} converts with {codecs}, this machine with {CODECS}: the shards would "
                               f"depend on which machine converted which photo. Install the same versions on every "
                               f"node and here")
+        _, _, out, seconds, attempt = answer
+        if pace is not None:
+            pace.took(len(out), seconds)
+        self.attempts += attempt
         self.tasks += 1
         self.nodes_used.add(node)
         return out
@@ -206,7 +217,8 @@ class RayWorkers:
         if time.monotonic() - self._polled >= POLL_SECONDS:
             self._polled, self._polls = time.monotonic(), self._polls + 1
             with contextlib.suppress(ray.exceptions.RayError):
-                self.retried, busy = ray.get(self.board.snapshot.remote(), timeout=5)
+                retried, busy = ray.get(self.board.snapshot.remote(), timeout=5)
+                self.retried = max(retried, self.attempts)
                 if self._polls % 10 == 0:
                     self._size()
                 self._status = f"{busy}/{self.nodes} nodes busy, {self.retried} retried"
@@ -215,6 +227,7 @@ class RayWorkers:
     def notes(self) -> list[str]:
         self._polled = 0.0
         self.status()
+        self.retried = max(self.retried, self.attempts)
         return [f"converted on Ray ({self.where}): {self.tasks} tasks on {len(self.nodes_used)} of {self.nodes} "
                 f"nodes, {self.retried} tasks run again after a lost worker or node"]
 
