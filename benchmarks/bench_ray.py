@@ -13,8 +13,10 @@ for Ray; convert; finish: rejections, previews, manifest); and Ray's extra time 
 what each job costs, from the two sizes, paired by round: per photo = the growth of (Ray - one machine) from the
 smaller to the larger collection, divided by the photos added; per job = the rest. The same split for CPU time: the
 machine's busy CPU seconds during the call (all processes; Linux), and of those, Ray's own processes' (raylet, GCS,
-agents: what a Ray node runs besides the tasks) -- CPU time is what equal cores share, and it varies less than wall
-time on a shared machine. Every pair of outputs is compared byte for byte.
+agents: what a Ray node runs besides the tasks, not its worker processes). The benchmark's cluster idles beside the
+one-machine runs: its CPU time is taken out of theirs (recorded as idle_cluster_cpu_s), its share of their wall time
+cannot be. Before each run the machine is let settle (under 0.1 CPU busy for a second, at most 20 s). Every pair of
+outputs is compared byte for byte.
 """
 
 from __future__ import annotations
@@ -75,15 +77,30 @@ def ray_daemons_cpu_s() -> float:
 
 def one(kind: str, raw: str, out: str, address: str, cpus: int) -> dict:
     """One conversion in this (fresh) process: its wall time and phases, the CPU time the machine spent in it, and
-    the share of that used by Ray's own processes."""
+    the share of that used by Ray's own processes. A one-machine run has the benchmark's cluster idling beside it,
+    which a user converting without Ray would not have: its processes' CPU time is taken out of the run's (and
+    recorded apart); their share of the wall time cannot be, and is said in the results."""
     from fastpipe.convert.driver import ShardConfig, shard
 
     cpu, daemons, start = machine_cpu_s(), ray_daemons_cpu_s(), time.perf_counter()
     summary = shard(ShardConfig(raw, out, workers=cpus, ray_address=address if kind == "ray" else None))
     wall = time.perf_counter() - start
+    cpu, daemons = machine_cpu_s() - cpu, ray_daemons_cpu_s() - daemons
+    idle = daemons if kind == "one machine" else 0.0
     return {"wall_s": wall, "phases_s": dict(summary.phases), "files": summary.discovered,
-            "cpu_s": machine_cpu_s() - cpu, "ray_daemons_cpu_s": ray_daemons_cpu_s() - daemons,
+            "cpu_s": cpu - idle, "ray_daemons_cpu_s": daemons - idle, "idle_cluster_cpu_s": idle,
             "notes": [n for n in summary.notes if "Ray" in n]}
+
+
+def settle(most_s: float = 20.0, quiet_cpus: float = 0.1) -> None:
+    """Wait (at most `most_s`) until the machine uses under `quiet_cpus` CPUs over a second: what a run leaves
+    behind (Ray ending the job's worker processes and starting idle ones) is not charged to the next run."""
+    end = time.monotonic() + most_s
+    while time.monotonic() < end:
+        before = machine_cpu_s()
+        time.sleep(1.0)
+        if machine_cpu_s() - before < quiet_cpus:
+            return
 
 
 def subset(raw: Path, n: int, folder: Path) -> Path:
@@ -106,6 +123,7 @@ def measure(args, sets: dict[int, Path], tmp: Path, address: str) -> dict:
         outs = {}
         for n, kind in rng.sample(list(runs), len(runs)):
             outs[n, kind] = tmp / f"{r}-{n}-{kind.replace(' ', '-')}"
+            settle()
             runs[n, kind].append(run_fresh([__file__, "--cpus", str(args.cpus), "--one", kind, str(sets[n]),
                                             str(outs[n, kind]), address], f"the {kind} run"))
         same += [outputs_equal(outs[n, "one machine"], outs[n, "ray"]) for n in sets]
@@ -130,12 +148,17 @@ def summarise(runs: dict, same: list[bool]) -> dict:
     variants = {f"{n} {k}": {"files": v[0]["files"], "wall_s": spread([x["wall_s"] for x in v]),
                              "cpu_s": spread([x["cpu_s"] for x in v]),
                              "ray_daemons_cpu_s": spread([x["ray_daemons_cpu_s"] for x in v]),
+                             "idle_cluster_cpu_s": spread([x["idle_cluster_cpu_s"] for x in v]),
                              "phases_s": {p: spread([x["phases_s"][p] for x in v]) for p in phases}}
                 for (n, k), v in runs.items()}
     added = runs[large, "ray"][0]["files"] - runs[small, "ray"][0]["files"]
-    split = {}
+    split, share = {}, {}
     for what in ("whole call", *phases, "CPU", "Ray's own processes' CPU"):
         per_photo = [(b - a) / added for a, b in zip(extra(small, what), extra(large, what))]
+        if what in ("whole call", "CPU"):  # Ray's extra per photo against one machine's per photo, paired by round
+            base = [(get(b, what) - get(a, what)) / added for a, b in
+                    zip(runs[small, "one machine"], runs[large, "one machine"])]
+            share[what] = spread([x / y for x, y in zip(per_photo, base)])
         split[what] = {"ms_per_photo": spread([x * 1e3 for x in per_photo]),
                        "s_per_job": spread([a - x * runs[small, "ray"][0]["files"]
                                             for a, x in zip(extra(small, what), per_photo)])}
@@ -147,7 +170,8 @@ def summarise(runs: dict, same: list[bool]) -> dict:
                                     / (a["wall_s"] if what == "whole call" else a["phases_s"]["convert"])
                                     for a, b in zip(runs[n, "one machine"], runs[n, "ray"])])
              for n in (small, large) for what in ("whole call", "convert phase")}
-    return {"variants": variants, "ray_extra": split, "one_machine_ms_per_photo": one_photo,
+    return {"variants": variants, "ray_extra": split, "ray_extra_per_photo_share": share,
+            "one_machine_ms_per_photo": one_photo,
             "one_machine_cpu_ms_per_photo": one_photo_cpu,
             "ray_over_one_machine": ratio, "outputs_byte_identical": all(same),
             "ray_notes": runs[large, "ray"][-1]["notes"]}
@@ -163,8 +187,12 @@ def table(res: dict) -> str:
                      + "  ".join(f"{p} {r(s)}" for p, s in v["phases_s"].items()))
     lines.append(f"one machine: {r(res['one_machine_ms_per_photo'])} ms per photo, "
                  f"{r(res['one_machine_cpu_ms_per_photo'])} CPU ms per photo (the growth between the sizes)")
+    lines += [f"the idle cluster beside the one-machine runs: {r(v['idle_cluster_cpu_s'])} CPU s at {name}"
+              for name, v in res["variants"].items() if "one machine" in name]
     lines += [f"Ray's extra, {what}: {r(x['ms_per_photo'])} ms per photo + {r(x['s_per_job'])} s per job"
               for what, x in res["ray_extra"].items()]
+    lines += [f"Ray's extra per photo / one machine's, {k}: {r(v, '.3f')}"
+              for k, v in res["ray_extra_per_photo_share"].items()]
     lines += [f"Ray / one machine, {k}: {r(v, '.3f')}" for k, v in res["ray_over_one_machine"].items()]
     lines.append(f"outputs byte-identical: {res['outputs_byte_identical']}")
     return "\n".join(lines)
