@@ -2,8 +2,9 @@
 each, started for these tests and stopped at the end), with SRC and OUT on disk and in moto's S3 server. Wherever a
 photo was converted, the output is the bytes of a one-machine run: with a worker killed mid-way too (Ray runs its task
 again; no photo is written twice). A photo that crashes its worker each time stops the run naming it, and the rerun
-resumes; Ctrl-C cancels the tasks in flight. Skipped where Ray is not installed (pip install 'fastpipe[ray]'); the tests
-that kill and restart Ray's worker processes run with -m slow."""
+resumes; Ctrl-C cancels the tasks in flight. Skipped where Ray is not installed (pip install 'fastpipe[ray]'); the
+conversions that kill and restart Ray's worker processes run with -m slow (one task's worker killed once, to see the
+task report its second try, runs by default)."""
 
 from __future__ import annotations
 
@@ -273,3 +274,29 @@ def test_tasks_grow_to_about_a_second_of_work():
     assert slow.items(1000, 2) == 4
     ending = [pace.items(left, 2) for left in (25, 12, 6, 3, 1)]  # the last tasks shrink so that the CPUs end together
     assert ending == [12, 6, 3, 2, 1]
+
+
+def test_retries_are_counted_per_task_from_the_board_and_the_results():
+    """The board's record of a try whose worker died at once may never arrive, and a task that died on every try
+    returns no result: per task, the larger of the two counts."""
+    from fastpipe.convert.onray import _runs_again
+
+    lost_record, died_each_time = 1, 2
+    assert _runs_again({lost_record: 0, died_each_time: 3}, {lost_record: 1}) == 4
+    assert _runs_again({}, {}) == 0
+
+
+def test_a_node_with_other_image_libraries_or_another_build_is_refused():
+    """Every result names its node's fastpipe, Pillow and libjpeg-turbo; one that differs from this machine's, or a
+    result in another build's shape, stops the run naming the node: the shards would depend on where photos went."""
+    from fastpipe.convert.onray import CODECS, RayWorkers
+    from fastpipe.errors import ConfigError
+
+    pool = object.__new__(RayWorkers)  # the result checks alone, without joining a cluster
+    pool.again, pool.tasks, pool.nodes_used = {}, 0, set()
+    assert pool._checked((CODECS, "node-a", ["jpeg"], 0.1, 7, 2)) == ["jpeg"]
+    assert pool.again == {7: 2} and pool.nodes_used == {"node-a"}
+    with pytest.raises(ConfigError, match=r"Ray node node-b converts with .* \(another build\), this machine"):
+        pool._checked((CODECS, "node-b", ["jpeg"], 0.1, 2))
+    with pytest.raises(ConfigError, match=r"Ray node node-c converts with fastpipe 0\.0\.1, Pillow 9\.0"):
+        pool._checked(("fastpipe 0.0.1, Pillow 9.0, libjpeg-turbo 2.0", "node-c", [], 0.1, 3, 0))

@@ -16,10 +16,10 @@ an image library raised) comes back as a value naming the photo, and stops the r
 retry it. A worker process or node that died on every try (a decoder that crashes on a photo, memory) is tried again
 one photo per task, so that the run stops naming the photo that crashes, and the others are converted.
 
-A small actor on this node (`_Board`) records which task runs on which node and how often each was started: the
-progress bar's "nodes busy" and "retried"; as its records are not waited for (see _task), a task also returns which
-try of it this was, so that a retry is counted even where the record of the lost try never arrived. Ctrl-C cancels
-the tasks in flight (their workers are ended).
+A small actor on this node (`_Board`) records which task runs on which node and which try of it each start was: the
+progress bar's "nodes busy" and "retried". Its records are not waited for (see _task), so the record of a try whose
+worker died at once may never arrive: a task's result also says which try it was, and the retries are counted per
+task from both. Ctrl-C cancels the tasks in flight (their workers are ended).
 """
 
 from __future__ import annotations
@@ -67,22 +67,28 @@ class _Failed:
 
 @ray.remote(num_cpus=0)
 class _Board:
-    """Which task runs on which node, and how many times tasks were started (the retries)."""
+    """Which task runs on which node, and how many times each was run again."""
 
     def __init__(self):
-        self.running, self.seen, self.starts = {}, set(), 0
+        self.running, self.starts, self.again = {}, collections.Counter(), {}
 
-    def started(self, key: int, node: str) -> None:
-        self.starts += 1
-        self.seen.add(key)
+    def started(self, key: int, node: str, attempt: int | None) -> None:
+        """`attempt`: which try this is, where Ray says (records of two tries may arrive in either order); else the
+        starts recorded are counted."""
+        self.starts[key] += 1
+        seen = attempt if attempt is not None else self.starts[key] - 1
+        self.again[key] = max(self.again.get(key, 0), seen)
         self.running[key] = node
 
     def finished(self, key: int) -> None:
         self.running.pop(key, None)
 
     def snapshot(self) -> tuple[int, int]:
-        """(tasks started again, nodes running a task now)."""
-        return self.starts - len(self.seen), len(set(self.running.values()))
+        """(runs again of all tasks, nodes running a task now)."""
+        return sum(self.again.values()), len(set(self.running.values()))
+
+    def runs_again(self) -> dict[int, int]:
+        return dict(self.again)
 
 
 _READY: str | None = None  # the job this worker process was set up for
@@ -92,8 +98,9 @@ _READY: str | None = None  # the job this worker process was set up for
 def _task(key: int, board, job: str, initializer, initargs: tuple, fn, chunk: list):
     node = ray.get_runtime_context().get_node_id()
     with contextlib.suppress(Exception):  # the bar's bookkeeping: never a reason to fail the photos
-        board.started.remote(key, node)  # not waited for: a task blocked in ray.get gives its CPU back, and Ray
-        # then starts a worker process for a queued task, only to end it again (about a CPU second each time)
+        # not waited for: a task blocked in ray.get gives its CPU back, and Ray then starts a worker process for a
+        # queued task, only to end it again (about a CPU second each time)
+        board.started.remote(key, node, _attempt())
     try:
         _set_up(job, initializer, initargs)
     except Exception as e:
@@ -105,14 +112,14 @@ def _task(key: int, board, job: str, initializer, initargs: tuple, fn, chunk: li
         except Exception as e:
             return _Failed(item if isinstance(item, str) else None, node, _describe(e), isinstance(e, FastpipeError))
     board.finished.remote(key)
-    return CODECS, node, out, time.perf_counter() - start, _attempt()
+    return CODECS, node, out, time.perf_counter() - start, key, _attempt() or 0
 
 
-def _attempt() -> int:
-    """Which try of this task this is (0: the first), from Ray's worker; 0 where this Ray version does not say."""
-    with contextlib.suppress(Exception):  # not a public call: the board's count still stands without it
+def _attempt() -> int | None:
+    """Which try of this task this is (0: the first), from Ray's worker; None where this Ray version does not say."""
+    with contextlib.suppress(Exception):  # not a public call: the board counts starts without it
         return int(ray._private.worker.global_worker.core_worker.get_current_task_attempt_number())
-    return 0
+    return None
 
 
 def _set_up(job: str, initializer, initargs: tuple) -> None:
@@ -137,7 +144,7 @@ class RayWorkers:
         here = ray.get_runtime_context().get_node_id()
         self.board = _Board.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote()
         self.inflight: set = set()
-        self.tasks, self.nodes_used, self.retried, self.attempts = 0, set(), 0, 0
+        self.tasks, self.nodes_used, self.retried, self.again = 0, set(), 0, {}
         self._status, self._polled, self._polls = "", 0.0, 0
         self._size()
 
@@ -187,14 +194,15 @@ class RayWorkers:
         if isinstance(answer, _Failed):
             raise _failure(answer)
         codecs, node = answer[:2]  # first: another fastpipe version may answer in another shape
-        if codecs != CODECS:
-            raise ConfigError(f"Ray node {node} converts with {codecs}, this machine with {CODECS}: the shards would "
-                              f"depend on which machine converted which photo. Install the same versions on every "
-                              f"node and here")
-        _, _, out, seconds, attempt = answer
+        if codecs != CODECS or len(answer) != 6:
+            build = "" if len(answer) == 6 else " (another build)"
+            raise ConfigError(f"Ray node {node} converts with {codecs}{build}, this machine with {CODECS}: the shards "
+                              f"would depend on which machine converted which photo. Install the same fastpipe, "
+                              f"Pillow and libjpeg-turbo on every node and here")
+        _, _, out, seconds, key, attempt = answer
         if pace is not None:
             pace.took(len(out), seconds)
-        self.attempts += attempt
+        self.again[key] = attempt
         self.tasks += 1
         self.nodes_used.add(node)
         return out
@@ -218,7 +226,7 @@ class RayWorkers:
             self._polled, self._polls = time.monotonic(), self._polls + 1
             with contextlib.suppress(ray.exceptions.RayError):
                 retried, busy = ray.get(self.board.snapshot.remote(), timeout=5)
-                self.retried = max(retried, self.attempts)
+                self.retried = max(retried, sum(self.again.values()))  # each counts a part: the larger, while running
                 if self._polls % 10 == 0:
                     self._size()
                 self._status = f"{busy}/{self.nodes} nodes busy, {self.retried} retried"
@@ -227,7 +235,8 @@ class RayWorkers:
     def notes(self) -> list[str]:
         self._polled = 0.0
         self.status()
-        self.retried = max(self.retried, self.attempts)
+        with contextlib.suppress(ray.exceptions.RayError):
+            self.retried = _runs_again(ray.get(self.board.runs_again.remote(), timeout=30), self.again)
         return [f"converted on Ray ({self.where}): {self.tasks} tasks on {len(self.nodes_used)} of {self.nodes} "
                 f"nodes, {self.retried} tasks run again after a lost worker or node"]
 
@@ -240,6 +249,11 @@ class RayWorkers:
         if self.connected:
             with contextlib.suppress(Exception):
                 ray.shutdown()
+
+
+def _runs_again(board: dict[int, int], results: dict[int, int]) -> int:
+    """How many times tasks were run again, per task the larger of the board's record and the try its result named."""
+    return sum(max(board.get(k, 0), results.get(k, 0)) for k in board.keys() | results.keys())
 
 
 def _get(ref):
