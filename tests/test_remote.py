@@ -267,33 +267,42 @@ def test_a_forked_worker_leaves_the_parents_clients_alone(converted):
     from fastpipe.storage import Remote
 
     with FolderServer(converted) as url:
+        gc.collect()  # the garbage of earlier tests (a Ray client's, say) is not this test's to collect in a fork
         gc.disable()  # so that the garbage below is still there at the fork
-        kept = Remote(url)
-        kept.cat("dataset.json")  # a pooled keep-alive connection, made before the fork
-        clients = {id(kept._local[1])}
-        for _ in range(3):  # clients the parent is done with, in a reference cycle: garbage at the fork
-            r = Remote(url)
-            r.cat("dataset.json")
-            r.cycle = r
-            clients.add(id(r._local[1]))
-        del r
+        try:
+            kept = Remote(url)
+            kept.cat("dataset.json")  # a pooled keep-alive connection, made before the fork
+            clients = {id(kept._local[1])}
+            for _ in range(3):  # clients the parent is done with, in a reference cycle: garbage at the fork
+                r = Remote(url)
+                r.cat("dataset.json")
+                r.cycle = r
+                clients.add(id(r._local[1]))
+            del r
 
-        def closers():  # these clients' finalizers (fsspec's close_session) still to run
-            return [f for f in list(weakref.finalize._registry) if f.peek() and id(f.peek()[0]) in clients]
+            def closers():  # these clients' finalizers (fsspec's close_session) still to run
+                return [f for f in list(weakref.finalize._registry) if f.peek() and id(f.peek()[0]) in clients]
 
-        assert len(closers()) == 4
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: what a DataLoader worker does with garbage, then exit without cleanup
-            try:
-                gc.collect()
-                os.write(write, str(len(closers())).encode())
-            finally:
-                os._exit(0)
-        gc.enable()
+            assert len(closers()) == 4
+            read, write = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: what a DataLoader worker does with garbage, then exit without cleanup
+                status = 1
+                try:
+                    gc.collect()
+                    os.write(write, str(len(closers())).encode())
+                    status = 0
+                except BaseException as e:
+                    os.write(write, f"raised {type(e).__name__}: {e}"[:2000].encode())
+                finally:
+                    os._exit(status)
+        finally:
+            gc.enable()
         os.close(write)
-        left = int(os.read(read, 16))
-        os.waitpid(pid, 0)
+        said = os.read(read, 4096)
+        _, status = os.waitpid(pid, 0)
+        assert said.isdigit(), f"the forked child said {said!r} and ended with wait status {status:#x}"
+        left = int(said)
         kept.counters.take()
         assert kept.cat("dataset.json") == (converted / "dataset.json").read_bytes()
     assert left == 0
