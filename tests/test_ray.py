@@ -138,11 +138,23 @@ def _dies_on_its_first_try(flag: str) -> int:
 
 def test_a_task_run_again_says_so(cluster, tmp_path):
     """Retries are counted from the try each task reports (the progress record of a lost try is not waited for, so
-    it may never arrive): a task whose first worker process died reports its second try."""
+    it may never arrive): a task whose first worker process died reports its second try, and the board counts each
+    task's tries once whatever the order its records arrive in."""
+    from fastpipe.convert.onray import _Board
+
     ray.init(address=cluster.address, logging_level=logging.ERROR, log_to_driver=False)
     try:
         task = ray.remote(max_retries=1)(_dies_on_its_first_try)
         assert ray.get(task.remote(str(tmp_path / "died")), timeout=TIMEOUT / 2) == 1
+        board = _Board.remote()  # the records of two tries of task 1 arrive in the wrong order
+        board.started.remote(1, "node-b", 1)
+        board.finished.remote(1)
+        board.started.remote(1, "node-a", 0)  # the late record of the lost try: no retry more, and node-a not busy
+        for _ in range(2):  # where Ray does not say which try: the starts recorded are counted
+            board.started.remote(2, "node-c", None)
+        board.finished.remote(2)
+        assert ray.get(board.snapshot.remote(), timeout=TIMEOUT / 2) == (2, 0)
+        assert ray.get(board.runs_again.remote(), timeout=TIMEOUT / 2) == {1: 1, 2: 1}
     finally:
         ray.shutdown()
 

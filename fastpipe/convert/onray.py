@@ -77,8 +77,9 @@ class _Board:
         starts recorded are counted."""
         self.starts[key] += 1
         seen = attempt if attempt is not None else self.starts[key] - 1
+        if seen >= self.again.get(key, 0):  # not the late record of a try already superseded (its node is not busy)
+            self.running[key] = node
         self.again[key] = max(self.again.get(key, 0), seen)
-        self.running[key] = node
 
     def finished(self, key: int) -> None:
         self.running.pop(key, None)
@@ -96,11 +97,11 @@ _READY: str | None = None  # the job this worker process was set up for
 
 @ray.remote
 def _task(key: int, board, job: str, initializer, initargs: tuple, fn, chunk: list):
-    node = ray.get_runtime_context().get_node_id()
+    node, attempt = ray.get_runtime_context().get_node_id(), _attempt()
     with contextlib.suppress(Exception):  # the bar's bookkeeping: never a reason to fail the photos
         # not waited for: a task blocked in ray.get gives its CPU back, and Ray then starts a worker process for a
         # queued task, only to end it again (about a CPU second each time)
-        board.started.remote(key, node, _attempt())
+        board.started.remote(key, node, attempt)
     try:
         _set_up(job, initializer, initargs)
     except Exception as e:
@@ -112,7 +113,7 @@ def _task(key: int, board, job: str, initializer, initargs: tuple, fn, chunk: li
         except Exception as e:
             return _Failed(item if isinstance(item, str) else None, node, _describe(e), isinstance(e, FastpipeError))
     board.finished.remote(key)
-    return CODECS, node, out, time.perf_counter() - start, key, _attempt() or 0
+    return CODECS, node, out, time.perf_counter() - start, key, attempt or 0
 
 
 def _attempt() -> int | None:
