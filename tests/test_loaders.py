@@ -445,6 +445,41 @@ def test_uint8_batches_reuse_buffers_yet_stay_intact_while_held(converted, monke
         make_loader(converted, "torch", reuse_output=True, **kw)
 
 
+class _HandOverFails:
+    """A DataLoader iterator as the main process sees it when the worker that made the next batch was killed: the
+    batch's hand-over fails (EOFError from the dead worker's resource sharer) before PyTorch can see the process end."""
+
+    def __init__(self, workers, batches=()):
+        self._workers, self.batches = workers, list(batches)
+
+    def __next__(self):
+        if self.batches:
+            return self.batches.pop(0)
+        raise EOFError
+
+
+def test_a_killed_worker_is_named_however_its_death_shows_first():
+    import multiprocessing as mp
+
+    from fastpipe.loaders.stream import _deaths_named
+
+    ctx = mp.get_context("fork")
+    gone, stop = ctx.Process(target=lambda: None), ctx.Event()
+    alive = ctx.Process(target=stop.wait, args=(60,))
+    gone.start(), alive.start()
+    try:
+        gone.join(60)
+        it = _deaths_named(_HandOverFails([alive, gone], ["b0", "b1"]))
+        assert [next(it), next(it)] == ["b0", "b1"]
+        with pytest.raises(RuntimeError, match=rf"^DataLoader worker \(pid\(s\) {gone.pid}\) exited unexpectedly$"):
+            next(it)
+        with pytest.raises(EOFError):  # every worker alive: the error is not a death, and stays what it was
+            next(_deaths_named(_HandOverFails([alive]), bound_s=0.2))
+    finally:
+        stop.set()
+        alive.join(60)
+
+
 # -- shared memory and DALI ------------------------------------------------------------------------------
 def test_worker_batches_are_sized_to_the_shared_memory():
     from fastpipe.loaders.workers import fit_shared_memory

@@ -161,6 +161,29 @@ def _dead_workers_at_the_next_batch() -> None:
     signal.signal(signal.SIGCHLD, replaced or signal.SIG_DFL)
 
 
+def _deaths_named(it, bound_s: float = 10.0):
+    """The DataLoader iterator's batches, with a worker's death said as PyTorch says it ("DataLoader worker ...
+    exited unexpectedly") however it shows first. A batch's tensors are handed over by the worker that made it (a
+    file descriptor through the worker's resource sharer): when that worker is killed, receiving the batch can fail
+    (EOFError, a refused connection) before PyTorch can see the process end, and PyTorch then raises that error as it
+    is. Whether a worker ended is waited for on the processes' sentinels, at most `bound_s` seconds."""
+    from multiprocessing.connection import wait
+
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        except (EOFError, ConnectionError, FileNotFoundError) as e:
+            workers = list(getattr(it, "_workers", ()))
+            ended = set(wait([w.sentinel for w in workers], timeout=bound_s)) if workers else set()
+            if not ended:
+                raise
+            pids = ", ".join(str(w.pid) for w in workers if w.sentinel in ended)
+            raise RuntimeError(f"DataLoader worker (pid(s) {pids}) exited unexpectedly") from e
+        yield batch
+
+
 def _worker_init(worker_id: int, main_pid: int) -> None:
     """DataLoader worker_init_fn: one OpenCV thread, and signals obeyed only from the process that owns us.
 
@@ -256,4 +279,4 @@ class StreamLoader(Loader):
         self.dataset.position[0] = self.position
         it = iter(self.dataloader)
         _dead_workers_at_the_next_batch()
-        return it
+        return _deaths_named(it) if self.num_workers else it
