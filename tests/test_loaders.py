@@ -447,15 +447,16 @@ def test_uint8_batches_reuse_buffers_yet_stay_intact_while_held(converted, monke
 
 class _HandOverFails:
     """A DataLoader iterator as the main process sees it when the worker that made the next batch was killed: the
-    batch's hand-over fails (EOFError from the dead worker's resource sharer) before PyTorch can see the process end."""
+    batch's hand-over fails (EOFError from the dead worker's resource sharer) before PyTorch can see the process end,
+    or the pin-memory thread that received it ended of that error."""
 
-    def __init__(self, workers, batches=()):
-        self._workers, self.batches = workers, list(batches)
+    def __init__(self, workers, batches=(), error=EOFError):
+        self._workers, self.batches, self.error = workers, list(batches), error
 
     def __next__(self):
         if self.batches:
             return self.batches.pop(0)
-        raise EOFError
+        raise self.error
 
 
 def test_a_killed_worker_is_named_however_its_death_shows_first():
@@ -473,8 +474,14 @@ def test_a_killed_worker_is_named_however_its_death_shows_first():
         assert [next(it), next(it)] == ["b0", "b1"]
         with pytest.raises(RuntimeError, match=rf"^DataLoader worker \(pid\(s\) {gone.pid}\) exited unexpectedly$"):
             next(it)
+        pin_thread_ended = RuntimeError("Pin memory thread exited unexpectedly")
+        pinned = _deaths_named(_HandOverFails([alive, gone], error=pin_thread_ended))
+        with pytest.raises(RuntimeError, match=rf"^DataLoader worker \(pid\(s\) {gone.pid}\) exited unexpectedly$"):
+            next(pinned)
         with pytest.raises(EOFError):  # every worker alive: the error is not a death, and stays what it was
             next(_deaths_named(_HandOverFails([alive]), bound_s=0.2))
+        with pytest.raises(RuntimeError, match=r"^a bug$"):  # another error: passed on at once
+            next(_deaths_named(_HandOverFails([alive, gone], error=RuntimeError("a bug"))))
     finally:
         stop.set()
         alive.join(60)

@@ -165,8 +165,9 @@ def _deaths_named(it, bound_s: float = 10.0):
     """The DataLoader iterator's batches, with a worker's death said as PyTorch says it ("DataLoader worker ...
     exited unexpectedly") however it shows first. A batch's tensors are handed over by the worker that made it (a
     file descriptor through the worker's resource sharer): when that worker is killed, receiving the batch can fail
-    (EOFError, a refused connection) before PyTorch can see the process end, and PyTorch then raises that error as it
-    is. Whether a worker ended is waited for on the processes' sentinels, at most `bound_s` seconds."""
+    (EOFError, a refused connection) before PyTorch can see the process end. PyTorch then raises that error as it is,
+    or, where the batch is received by its pin-memory thread (CUDA), says that thread ended. Whether a worker ended
+    is waited for on the processes' sentinels, at most `bound_s` seconds."""
     from multiprocessing.connection import wait
 
     while True:
@@ -174,7 +175,9 @@ def _deaths_named(it, bound_s: float = 10.0):
             batch = next(it)
         except StopIteration:
             return
-        except (EOFError, ConnectionError, FileNotFoundError) as e:
+        except (EOFError, ConnectionError, FileNotFoundError, RuntimeError) as e:
+            if isinstance(e, RuntimeError) and str(e) != "Pin memory thread exited unexpectedly":
+                raise
             workers = list(getattr(it, "_workers", ()))
             ended = set(wait([w.sentinel for w in workers], timeout=bound_s)) if workers else set()
             if not ended:
