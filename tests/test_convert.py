@@ -338,6 +338,45 @@ def test_a_pool_already_broken_when_a_task_is_queued_says_a_worker_died():
         pool.terminate()
 
 
+_HALF_SENT = """
+import os, struct, sys, threading, time
+from fastpipe.convert.workers import Workers
+
+def half_sent(marker):  # in the worker: the first bytes of a result, then nothing, as when killed while sending
+    f = sys._getframe()
+    while "result_queue" not in f.f_locals:
+        f = f.f_back
+    os.write(f.f_locals["result_queue"]._writer.fileno(), struct.pack("!i", 1 << 20) + bytes(10))
+    open(marker, "w").close()
+    time.sleep(600)
+
+if __name__ == "__main__":
+    pool = Workers(1, int, ())
+    threading.Thread(target=lambda: list(pool.imap(half_sent, [sys.argv[1]])), daemon=True).start()
+    deadline = time.time() + 240
+    while not os.path.exists(sys.argv[1]) and time.time() < deadline:
+        time.sleep(0.02)
+    pool.terminate()  # Ctrl-C: what the converter does, then the process ends
+    print("terminated", flush=True)
+"""
+
+
+def test_a_process_whose_pool_is_stopped_while_a_worker_sends_its_result_ends(tmp_path):
+    """Ctrl-C while a worker was sending its result (a whole shard's JPEGs) left half a message in the result pipe:
+    the pool's thread waited for the rest, the interpreter's exit waited for that thread, and `fastpipe shard`
+    said "interrupted" but never ended."""
+    script = tmp_path / "half_sent.py"
+    script.write_text(_HALF_SENT)
+    p = subprocess.Popen([sys.executable, str(script), str(tmp_path / "sending")], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = p.communicate(timeout=300)  # a bound, not a timing: ends at once, or never
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+    assert out == "terminated\n" and p.returncode == 0, (out, err[-2000:])
+
+
 def _faults_per_photo(paths: list[str]) -> float:
     """In a worker: page faults per photo converted, after a first one that grows the heap."""
     import resource

@@ -72,16 +72,22 @@ class Workers:
 
     def terminate(self) -> None:
         """Stop at once: queued tasks dropped, the processes ended (Ctrl-C, an error in the main process)."""
+        results = getattr(self.executor, "_result_queue", None)
         stop = getattr(self.executor, "terminate_workers", None)  # Python 3.14
         if stop is not None:
             stop()
-            return
-        processes = list((getattr(self.executor, "_processes", None) or {}).values())  # shutdown forgets them
-        self.executor.shutdown(wait=False, cancel_futures=True)
-        for p in processes:
-            p.terminate()
-        for p in processes:
-            p.join(5)
+        else:
+            processes = list((getattr(self.executor, "_processes", None) or {}).values())  # shutdown forgets them
+            self.executor.shutdown(wait=False, cancel_futures=True)
+            for p in processes:
+                p.terminate()
+            for p in processes:
+                p.join(5)
+        # A worker ended while sending its result leaves half a message in the result pipe, and the pool's thread
+        # waits for the rest for ever; the interpreter's exit waits for that thread: the process never ended. With
+        # the workers gone, closing our end of the pipe too makes that read end (EOF).
+        if results is not None:
+            results._writer.close()
 
 
 def _start(initializer, initargs: tuple) -> None:
