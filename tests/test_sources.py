@@ -206,3 +206,63 @@ def test_a_labels_header_makes_a_multi_label_list_even_without_a_pair(tmp_path):
     single = tmp_path / "s.csv"
     single.write_text("path,label\n" + "".join(f"{n},red\n" for n in names))
     assert any("one label per row" in n for n in discover(single).notes)
+
+
+def test_a_label_header_keeps_the_list_single_label_and_rejects_a_label_set(tmp_path):
+    """One row 'rust;scab' under a 'path,label' header turned the whole data set multi-label, said only in a note."""
+    names = _photos(tmp_path, 5)
+    rows = ["path,label"] + [f"{n},{'scab' if i % 2 else 'rust'}" for i, n in enumerate(names)]
+    rows[3] = f"{names[2]},rust;scab"
+    (tmp_path / "l.csv").write_text("\n".join(rows) + "\n")
+    source = discover(tmp_path / "l.csv")
+    assert not source.multilabel and source.classes == ("rust", "scab") and len(source.items) == 4
+    (r,) = source.rejections
+    assert (r.path, r.reason) == ("p2.jpg", "bad-label") and r.detail.startswith("line 4: 'rust;scab' is a label set")
+    assert any("for a multi-label list name the label column 'labels'" in n for n in source.notes)
+
+
+def test_a_list_without_a_header_that_mixes_labels_and_label_sets_is_refused(tmp_path):
+    names = _photos(tmp_path, 6)
+    rows = [f"{n},{'rust' if i < 4 else 'rust;scab'}" for i, n in enumerate(names)]
+    (tmp_path / "l.csv").write_text("\n".join(rows) + "\n")
+    with pytest.raises(DataError, match=r"one label \(lines 1, 2, 3, \.\.\.\) and some a label set \(lines 5, 6\).*"
+                                        r"'path,labels' for label sets"):
+        discover(tmp_path / "l.csv")
+    (tmp_path / "sets.csv").write_text("".join(f"{n},{'rust;scab' if i % 2 else ''}\n" for i, n in enumerate(names)))
+    assert discover(tmp_path / "sets.csv").multilabel  # sets and empty sets: nothing to guess
+
+
+def test_a_row_with_more_columns_than_the_list_is_rejected(tmp_path):
+    """'scab/IMG_SC0002.jpg,scab,extra' was taken, its third column dropped without a word."""
+    names = _photos(tmp_path, 4)
+    rows = ["path,label", f"{names[0]},rust", f"{names[1]},scab,extra", f"{names[2]},rust,", f"{names[3]},scab"]
+    (tmp_path / "l.csv").write_text("\n".join(rows) + "\n")
+    source = discover(tmp_path / "l.csv")
+    assert [i.path for i in source.items] == [names[0], names[2], names[3]]  # a padding comma is no column
+    (r,) = source.rejections
+    assert (r.path, r.reason) == ("p1.jpg", "bad-row") and r.detail.startswith("line 3: 3 columns where the list has 2")
+
+
+def test_a_0_1_table_with_a_column_of_yes_and_no_keeps_its_columns(tmp_path):
+    """A 'rust' column of yes/no made the table a single-label list of classes 'no' and 'yes', scab and mildew
+    dropped."""
+    names = _photos(tmp_path, 6)
+    rows = ["path,rust,scab,mildew"] + [f"{n},{'yes' if i % 2 else 'no'},{i % 2},1" for i, n in enumerate(names)]
+    rows[1], rows[2] = f"{names[0]},1,0,1", f"{names[1]},0,1,0"
+    (tmp_path / "l.csv").write_text("\n".join(rows) + "\n")
+    source = discover(tmp_path / "l.csv")
+    assert source.multilabel and source.classes == ("rust", "scab", "mildew") and len(source.items) == 2
+    assert [(r.path, r.reason) for r in source.rejections] == [(n, "bad-label") for n in names[2:]]
+    assert "line 4, column 'rust': 'no' is not 0 or 1" in source.rejections[0].detail
+    (tmp_path / "all.csv").write_text("\n".join(rows[:1] + [f"{n},yes,0,1" for n in names]) + "\n")
+    with pytest.raises(DataError, match=r"no usable .* the first: p0\.jpg: line 2, column 'rust': 'yes' is not 0"):
+        discover(tmp_path / "all.csv")
+
+
+@pytest.mark.parametrize("name", ["rust;early", "scab|late"])
+def test_a_0_1_table_naming_a_class_with_a_label_separator_is_refused_by_name(tmp_path, name):
+    """A class 'rust;early' became two labels in the shards: KeyError: 'early' while planning."""
+    names = _photos(tmp_path, 3)
+    (tmp_path / "l.csv").write_text("\n".join([f"path,{name},mildew"] + [f"{n},1,0" for n in names]) + "\n")
+    with pytest.raises(DataError, match=f"names the class '{name}'.*rename that column"):
+        discover(tmp_path / "l.csv")

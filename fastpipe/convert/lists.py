@@ -5,7 +5,10 @@ points).
 Paths are relative to the list's own folder. A header row is recognised by its words or by not naming a file, and
 reported. Multi-label lists: a label set per row (`path,"rust;scab"`, ';' or '|' between labels, empty for none; a
 header naming the column 'labels' makes every row a set, even when none holds two), or one 0/1 column per class
-after the path, named by a header (`path,rust,scab`). The summary says which reading was chosen, and why.
+after the path, named by a header (`path,rust,scab`). A header naming the column 'label' (or 'class', ...) means one
+label per row: a row holding a set is then rejected, not turned into a multi-label data set. Without a header that
+says, a list holding both kinds of rows is refused. A row with more columns than the list has is rejected (an
+unquoted comma would cut its label short). The summary says which reading was chosen, and why.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import csv
 import io
 import os
 import re
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -66,6 +70,8 @@ def _read_rows(data: bytes, where: str, names_file) -> tuple[list[tuple[int, lis
 
 _SET_SEPARATORS = re.compile(r"[;|]")
 SET_HEADERS = {"labels", "tags", "label_set", "label_list"}  # a column of label sets, named so
+SINGLE_HEADERS = {"label", "class", "category", "target", "y", "class_id", "classid", "class_name", "label_id",
+                  "label_name"}  # a column of one label per row, named so
 MAX_LABEL = 1024  # characters: a longer "label" is damage (a cell of a whole document), not a class name
 
 
@@ -74,36 +80,93 @@ def _label_set(text: str) -> str:
     return ";".join(sorted({p.strip() for p in _SET_SEPARATORS.split(text) if p.strip()}))
 
 
-def _binary_table(header: list[str] | None, rows) -> bool:
-    """A header of a path and 2+ class columns, whose cells are mostly 0/1: one 0/1 column per class (a cell
-    that is neither is that row's problem, not a reason to read the table another way)."""
-    if not header or len(header) < 3:
-        return False
-    cells = [c.strip() for _, r in rows for c in r[1:] if c.strip()]
+def _zero_one(cells: list[str]) -> bool:
     return bool(cells) and sum(c in ("0", "1") for c in cells) >= 0.9 * len(cells)
 
 
+def _binary_table(header: list[str] | None, rows) -> bool:
+    """A header of a path and 2+ class columns, whose cells are mostly 0/1, or which names no label column and
+    has a column of 0/1: one 0/1 column per class (a cell that is neither, even a whole column of yes/no, is its
+    row's problem, not a reason to read the table as one label per row and drop the other columns)."""
+    if not header or len(header) < 3:
+        return False
+    columns = [[r[k].strip() for _, r in rows if k < len(r) and r[k].strip()] for k in range(1, len(header))]
+    if _zero_one([c for col in columns for c in col]):
+        return True
+    return header[1].strip().lower() not in SINGLE_HEADERS | SET_HEADERS and any(map(_zero_one, columns))
+
+
 def _list_mode(where: str, header: list[str] | None, rows) -> tuple[str, str]:
-    """("columns" | "sets" | "single", why) for the summary: how the list is read, and what decided it."""
+    """("columns" | "sets" | "single", why) for the summary: how the list is read, and what decided it. A header
+    naming the label column decides; without one, a list that holds both single labels and label sets is
+    refused (which rows are mistakes cannot be told)."""
     if _binary_table(header, rows):
-        names = header[1:]
-        bad = sorted({n for n in names if not n} | {n for n in names if names.count(n) > 1})
-        if bad or len(names) != len(set(names)):
-            raise DataError(f"{where}: the header of a 0/1 table names each class column once, with a name (empty or "
-                            f"repeated: {', '.join(repr(n) for n in bad)}); fix the header row")
-        return "columns", f"one 0/1 column per class ({len(names)} columns named by the header)"
-    if header and len(header) > 1 and header[1].lower() in SET_HEADERS:
+        return "columns", _column_names(where, header[1:])
+    named = header[1].strip().lower() if header and len(header) > 1 else ""
+    if named in SET_HEADERS:
         return "sets", f"the header names the label column {header[1]!r}"
-    first = next((n for n, r in rows if len(r) > 1 and _SET_SEPARATORS.search(r[1])), None)
-    if first is not None:
-        return "sets", f"line {first} holds a label set (labels joined by ';' or '|')"
-    return "single", "one label per row (a label set would be 'a;b', or a header naming the column 'labels')"
+    if named in SINGLE_HEADERS:
+        return "single", (f"the header names the label column {header[1]!r}, one label per row (a header "
+                          f"naming it 'labels' reads label sets)")
+    sets = [n for n, r in rows if len(r) > 1 and _SET_SEPARATORS.search(r[1])]
+    if not sets:
+        return "single", "one label per row (a label set would be 'a;b', or a header naming the column 'labels')"
+    single = [n for n, r in rows if len(r) > 1 and r[1].strip() and not _SET_SEPARATORS.search(r[1])]
+    if single:
+        raise DataError(f"{where}: some rows hold one label (lines {_first(single)}) and some a label set (lines "
+                        f"{_first(sets)}); say which the list holds with a header row: 'path,labels' for label "
+                        f"sets (multi-label), 'path,label' for one label per row")
+    return "sets", f"line {sets[0]} holds a label set (labels joined by ';' or '|')"
 
 
-def _check_row(place, row: list[str], lineno: int, multilabel: bool = False) -> Item | Rejection:
+def _first(lines: list[int], n: int = 3) -> str:
+    return ", ".join(map(str, lines[:n])) + (", ..." if len(lines) > n else "")
+
+
+def _column_names(where: str, names: list[str]) -> str:
+    """The class names a 0/1 table's header gives, checked: each once, with a name, holding no ';' or '|' (what
+    joins the names of a label set in the shards and the other readers' files)."""
+    bad = sorted({n for n in names if not n} | {n for n in names if names.count(n) > 1})
+    if bad:
+        raise DataError(f"{where}: the header of a 0/1 table names each class column once, with a name (empty or "
+                        f"repeated: {', '.join(repr(n) for n in bad)}); fix the header row")
+    joined = [n for n in names if _SET_SEPARATORS.search(n)]
+    if joined:
+        raise DataError(f"{where}: the header of a 0/1 table names the class {joined[0]!r}: ';' and '|' join the "
+                        f"labels of a label set, so a class name cannot hold them; rename that column")
+    return f"one 0/1 column per class ({len(names)} columns named by the header)"
+
+
+def _trimmed(row: list[str]) -> list[str]:
+    """A row without its empty cells at the end (a spreadsheet's export pads rows with commas)."""
+    end = len(row)
+    while end > 2 and not row[end - 1].strip():
+        end -= 1
+    return row[:end]
+
+
+def _width(header: list[str] | None, rows) -> int:
+    """The list's number of columns: its header's, or the most common (the fewer of equals)."""
+    if header:
+        return max(len(_trimmed(header)), 2)
+    counts = Counter(len(_trimmed(r)) for _, r in rows)
+    return max(2, max(counts, key=lambda w: (counts[w], -w)) if counts else 2)
+
+
+def _check_row(place, row: list[str], lineno: int, multilabel: bool = False, width: int = 2) -> Item | Rejection:
+    """An item, or the row's rejection naming its line: no path or label, more columns than the list has (a
+    comma in an unquoted label would otherwise lose the rest of it), a label set in a list of one label per row,
+    or a label that is damage."""
+    row = _trimmed(row)
     if len(row) < 2 or not row[0].strip() or (not row[1].strip() and not multilabel):
         return Rejection(f"<line {lineno}>", "bad-row", f"expected 'path,label', got {row!r}"[:300])
     raw = row[0].strip()
+    if len(row) > width:
+        return Rejection(raw[:300], "bad-row", f"line {lineno}: {len(row)} columns where the list has {width}: "
+                         f"quote a label that holds a comma (\"a,b\"), join a label set with ';'")
+    if not multilabel and _SET_SEPARATORS.search(row[1]):
+        return Rejection(raw[:300], "bad-label", f"line {lineno}: {row[1].strip()[:60]!r} is a label set, but the "
+                         f"list has one label per row; for a multi-label list name the label column 'labels'")
     labels = [p.strip() for p in _SET_SEPARATORS.split(row[1])] if multilabel else [row[1].strip()]
     odd = next((x for x in labels if len(x) > MAX_LABEL or any(ord(c) < 32 for c in x)), None)
     if odd is not None:
@@ -135,11 +198,12 @@ def _as_label_sets(rows, columns: list[str]) -> tuple[list, list[Rejection]]:
     empty), or with another number of cells than the header, is rejected naming the line and the column."""
     out, bad = [], []
     for n, r in rows:
-        cells = [c.strip() for c in r[1:]]
-        wrong = next(((columns[k] if k < len(columns) else f"#{k + 2}", c) for k, c in enumerate(cells)
-                      if c not in ("0", "1", "")), None)
-        if wrong is None and len(cells) != len(columns):
-            wrong = ("", f"{len(cells)} cells for {len(columns)} columns")
+        cells = [c.strip() for c in _trimmed(r)[1:]]
+        if len(cells) != len(columns):
+            bad.append(Rejection(r[0].strip()[:300] or f"<line {n}>", "bad-row",
+                                 f"line {n}: {len(cells)} class cells where the header names {len(columns)}"))
+            continue
+        wrong = next(((columns[k], c) for k, c in enumerate(cells) if c not in ("0", "1", "")), None)
         if wrong is not None:
             bad.append(Rejection(r[0].strip()[:300] or f"<line {n}>", "bad-label",
                                  f"line {n}, column {wrong[0]!r}: {wrong[1][:60]!r} is not 0 or 1"))
@@ -161,23 +225,36 @@ def from_bytes(data: bytes, where: str, root, place, names_file=lambda first: Fa
     rows, header = _read_rows(data, where, names_file)
     mode, why = _list_mode(where, header, rows)
     rejections: list[Rejection] = []
+    notes = _notes(header, mode, why, rows)
+    width = 2 if mode == "columns" else _width(header, rows)
     if mode == "columns":
         rows, rejections = _as_label_sets(rows, header[1:])
+    elif width > 2:
+        extra = header[2:] if header else [f"#{k}" for k in range(3, width + 1)]
+        notes += (f"columns after the label ignored: {', '.join(extra)}",)
     multilabel = mode != "single"
     items = []
     for lineno, row in rows:
-        checked = _check_row(place, row, lineno, multilabel)
+        checked = _check_row(place, row, lineno, multilabel, width)
         (items if isinstance(checked, Item) else rejections).append(checked)
     if not items:
-        raise DataError(f"{where}: no usable 'path,label' rows ({len(rejections)} rejected; read as "
+        first = f", the first: {rejections[0].path[:100]}: {rejections[0].detail[:200]}" if rejections else ""
+        raise DataError(f"{where}: no usable 'path,label' rows ({len(rejections)} rejected{first}; read as "
                         f"{'multi' if multilabel else 'single'}-label: {why})")
     names = {n for i in items for n in i.label.split(";") if n} if multilabel else {i.label for i in items}
     classes = tuple(header[1:]) if mode == "columns" else class_order(names)
-    notes = ((f"header row skipped: {','.join(header)!r}",) if header else ()) + numeric_note(classes)
-    notes += (f"read as a {'multi' if multilabel else 'single'}-label list: {why}",)
-    if mode == "single" and header and len(header) > 2:
-        notes += (f"columns after the label ignored: {', '.join(header[2:])}",)
+    notes += numeric_note(classes)
     if multilabel:
-        empty = sum(1 for i in items if not i.label)
-        notes += (f"multi-label list: {len(classes)} labels, {empty} images with none",)
+        notes += (f"multi-label list: {len(classes)} labels",)
     return Source(root, tuple(items), tuple(rejections), classes, 0, notes, multilabel, remote)
+
+
+def _notes(header: list[str] | None, mode: str, why: str, rows) -> tuple[str, ...]:
+    """What the summary says of how the list was read (and how to have it read otherwise)."""
+    notes = (f"header row skipped: {','.join(header)!r}",) if header else ()
+    notes += (f"read as a {'single' if mode == 'single' else 'multi'}-label list: {why}",)
+    sets = [n for n, r in rows if len(r) > 1 and _SET_SEPARATORS.search(r[1])] if mode == "single" else []
+    if sets:
+        notes += (f"{len(sets)} rows hold a label set (line {_first(sets)}): rejected as bad-label in a list of one "
+                  f"label per row; for a multi-label list name the label column 'labels' (header 'path,labels')",)
+    return notes
