@@ -455,6 +455,9 @@ def test_ctrl_c_while_a_shard_closes_leaves_a_folder_the_rerun_resumes(tmp_path,
     rerun = shard(cfg(src, out, **kw))
     assert 0 < rerun.converted_now < 24
     assert tree_bytes(out) == tree_bytes(tmp_path / "clean")
+    text = "\n".join(rerun.lines())  # its figures are the rerun's own, and say so
+    assert f"{rerun.converted_now} images processed in this run" in text, text
+    assert f"{24 - rerun.converted_now} were converted by an earlier run, resumed here" in text, text
 
 
 def test_parts_then_merge_equal_one_run(tmp_path):
@@ -753,6 +756,16 @@ def test_the_summary_counts_what_was_written_and_what_changed_colour(tmp_path):
     text = "\n".join(shard(cfg(src, tmp_path / "out", val_fraction=0)).lines())
     assert "11 images processed" in text and "10 written, 1 rejected while converting" in text, text
     assert "converted to RGB: 1 grayscale, 1 with transparency (flattened onto white)" in text, text
+
+
+def test_a_resumed_conversion_says_its_colour_counts_are_this_runs():
+    """A resumed conversion said 'converted to RGB: 1 grayscale' of its own images only, as if of the data set."""
+    from fastpipe.convert.summary import Summary
+
+    fresh = Summary(Path("out"), converted_now=8, written_now=8, modes=Counter({"L": 1}), seconds=1.0)
+    resumed = Summary(Path("out"), converted_now=8, written_now=8, modes=Counter({"L": 1}), seconds=1.0, resumed=16)
+    assert "converted to RGB: 1 grayscale" in fresh.lines()
+    assert "converted to RGB in this run: 1 grayscale" in resumed.lines()
 
 
 def test_index_refuses_an_empty_tar_before_writing_anything(tmp_path):

@@ -132,6 +132,20 @@ def test_duplicates_with_other_label_sets_conflict(tmp_path):
     assert summary.rejected["label-conflict"] == 2
 
 
+def test_the_images_with_no_label_are_counted_as_written(tmp_path):
+    """'121 images with none' counted a duplicate that was rejected: 120 were written."""
+    for name, seed in (("a.jpg", 1), ("a (1).jpg", 1), ("b.jpg", 2), ("c.jpg", 3), ("d.jpg", 4)):
+        (tmp_path / name).write_bytes(tinted(set(), seed))
+    (tmp_path / "c.jpg").write_bytes((tmp_path / "c.jpg").read_bytes()[:300])  # truncated: fails while converting
+    (tmp_path / "e.jpg").write_bytes(tinted({0}, 5))
+    rows = ["path,labels", "a.jpg,", "a (1).jpg,", "b.jpg,", "c.jpg,", "d.jpg,", "e.jpg,rust"]
+    (tmp_path / "list.csv").write_text("\n".join(rows) + "\n")
+    summary = shard(ShardConfig(tmp_path / "list.csv", tmp_path / "o", short_side=32, workers=0, val_fraction=0))
+    assert summary.written["train"] == 4 and summary.rejected == {"duplicate": 1, "truncated": 1}
+    text = "\n".join(summary.lines())
+    assert "multi-label: 3 of the images written have none of the 1 labels" in text, text
+
+
 def test_training_learns_labels_and_records_per_class_figures(multi, tmp_path):
     from fastpipe.train.config import TrainConfig
     from fastpipe.train.session import train

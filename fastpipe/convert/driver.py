@@ -237,12 +237,15 @@ def _run(cfg: ShardConfig, source, summary: Summary, start: float) -> None:
     try:
         clock.lap("start")
         mine, totals, fingerprints, early, pixels = _plan(cfg, source, workers, pool)
+        if source.multilabel:
+            summary.unlabelled = [s.path for n in SPLITS for s in mine[n] if not s.label]
         clock.lap("hash")
         journal = Journal(cfg.out / journal_name(cfg.suffix), fingerprints[0])
         if _guard(cfg, fingerprints[:2], journal):
             summary.up_to_date = True
             return
         progress = journal.load(cfg.out)
+        summary.resumed = sum(p.end for p in progress.values())
         runs = [_SplitRun(n, mine[n], cfg, journal, p, len(source.classes), totals[n]) for n in SPLITS
                 if not (p := progress.setdefault(n, SplitProgress())).done]
         _convert(runs, source, pixels, pool, summary)

@@ -25,6 +25,8 @@ class Summary:
     converted_now: int = 0  # files read and converted (or rejected while converting) by this invocation
     written_now: int = 0  # ... of which written into shards
     modes: Counter = field(default_factory=Counter)  # ... written from another colour mode than RGB
+    resumed: int = 0  # samples an earlier, interrupted invocation had converted (in the shards it finished)
+    unlabelled: list[str] | None = None  # multi-label data: the planned samples with an empty label set
     up_to_date: bool = False
     ignored: int = 0
     notes: list[str] = field(default_factory=list)
@@ -43,11 +45,13 @@ class Summary:
         if self.up_to_date:
             out.append(f"{self.out} is already complete for these settings: nothing to do")
         else:
-            out.append(f"{self.converted_now} images processed in {self.seconds:.1f} s ({rate:.1f} img/s): "
-                       f"{self.written_now} written, {self.converted_now - self.written_now} rejected while converting")
+            now = " in this run" if self.resumed else ""  # the figures below are this invocation's only
+            out.append(f"{self.converted_now} images processed{now} in {self.seconds:.1f} s ({rate:.1f} img/s): "
+                       f"{self.written_now} written, {self.converted_now - self.written_now} rejected while converting"
+                       + (f"; {self.resumed} were converted by an earlier run, resumed here" if self.resumed else ""))
             if self.modes:
-                out.append("converted to RGB: " + ", ".join(f"{n} {MODE_NAMES.get(m, m)}" for m, n in
-                                                            sorted(self.modes.items(), key=lambda x: -x[1])))
+                out.append(f"converted to RGB{now}: " + ", ".join(f"{n} {MODE_NAMES.get(m, m)}" for m, n in
+                                                                 sorted(self.modes.items(), key=lambda x: -x[1])))
         return out
 
 
@@ -80,8 +84,13 @@ def summarise(summary: Summary, cfg) -> Summary:
     summary.written = {n: sp["samples"] for n, sp in data["splits"].items()}
     summary.layout, note = describe_layout(cfg, data["splits"])
     summary.notes += [note] if note else []
-    if rejected_path.exists():
-        summary.rejected = Counter(json.loads(line)["reason"] for line in rejected_path.read_text().splitlines())
+    rejected = [json.loads(line) for line in rejected_path.read_text().splitlines()] if rejected_path.exists() else []
+    summary.rejected = Counter(r["reason"] for r in rejected)
+    if summary.unlabelled is not None:  # the samples written, not the rows listed: duplicates and failures left out
+        gone = {r["path"] for r in rejected}
+        none = sum(p not in gone for p in summary.unlabelled)
+        summary.notes.append(f"multi-label: {none} of the images written have none of the {len(data['classes'])} "
+                             f"labels (an empty label set)")
     if len(data["classes"]) < 2:
         summary.notes.append(f"only one class ({data['classes'][0]!r}): a classifier needs at least two. Expected "
                              f"SRC/<class>/<images> with one folder per class, or a list with a label per row")
