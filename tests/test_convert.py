@@ -139,7 +139,7 @@ def test_every_rejection_reason_from_a_folder(tmp_path):
     reasons = {r["path"]: r["reason"] for r in rejected(out)}
     assert reasons == {
         "red/empty.jpg": "empty", "red/notes.txt": "not-an-image", "red/cut.jpg": "truncated",
-        "red/img_000.jpg": "duplicate",  # dup.jpg sorts first and is kept
+        "red/img_000.jpg": "duplicate",  # dup.jpg, the shorter name, is kept
         "red/img_001.jpg": "label-conflict", "green/stolen.jpg": "label-conflict",
         "green/huge.png": "too-large", "green/dangling.jpg": "unreadable",
     }
@@ -713,6 +713,24 @@ def test_demo_data_is_deterministic_and_dirty(tmp_path):
     assert all((tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes() for f in files)
     summary = shard(cfg(tmp_path / "a", tmp_path / "out"))
     assert Counter(summary.rejected) == Counter({"truncated": 1, "duplicate": 1, "not-an-image": 1})
+    (copy,) = [r for r in rejected(tmp_path / "out") if r["reason"] == "duplicate"]
+    assert copy["path"].split("/")[1].startswith("copy_of_"), copy  # the copy is refused, the original kept
+
+
+@pytest.mark.parametrize("names,kept", [(["IMG_HE0005 (1).jpg", "IMG_HE0005.jpg"], "IMG_HE0005.jpg"),
+                                        (["copy_of_x.jpg", "x (1).jpg", "x.jpg"], "x.jpg"),
+                                        (["img_10.jpg", "img_9a.jpg"], "img_9a.jpg")])
+def test_duplicates_keep_the_original_whatever_the_order(names, kept):
+    """'healthy/IMG_HE0005.jpg' was refused as a duplicate of 'healthy/IMG_HE0005 (1).jpg'."""
+    from fastpipe.convert.plan import deduplicate
+    from fastpipe.convert.sources import Item
+
+    items = [Item(f"healthy/{n}", "healthy", None) for n in names]
+    hashes = {i.path: "same bytes" for i in items}
+    for order in (items, items[::-1]):  # as another machine or part of a cluster job may list them
+        keep, dropped = deduplicate(list(order), hashes)
+        assert [i.path for i in keep] == [f"healthy/{kept}"]
+        assert all(r.reason == "duplicate" and r.detail == f"same bytes as healthy/{kept}" for r in dropped)
 
 
 def test_doctor_runs_and_reports(capsys):

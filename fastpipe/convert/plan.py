@@ -7,6 +7,7 @@ cluster job compute the same plan independently.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from multiprocessing.pool import ThreadPool
@@ -51,15 +52,25 @@ def hash_files(source: Source, threads: int, pool=None) -> tuple[dict[str, str],
     return hashes, rejected, pixels
 
 
+def original_first(path: str) -> tuple:
+    """Which of equal files is the original: the shortest file name ('x.jpg' before 'x (1).jpg' and
+    'copy_of_x.jpg'), then the first in natural order ('img_9' before 'img_10'); the path itself last, so that
+    every machine and every part of a cluster job keeps the same one."""
+    parts = re.split(r"(\d+)", path)  # text, number, text, ...: each position compares like with like
+    natural = tuple(int(p) if k % 2 else p.casefold() for k, p in enumerate(parts))
+    return len(path.rsplit("/", 1)[-1]), natural, path
+
+
 def deduplicate(items: list[Item], hashes: dict[str, str]) -> tuple[list[Item], list[Rejection]]:
-    """One copy per (bytes, label); bytes seen under two labels are all refused as a label conflict."""
+    """One copy per (bytes, label), the original kept (original_first); bytes seen under two labels are all
+    refused as a label conflict."""
     groups: dict[str, list[Item]] = defaultdict(list)
     for item in items:
         if item.path in hashes:
             groups[hashes[item.path]].append(item)
     keep, rejected = [], []
     for group in groups.values():
-        group.sort(key=lambda i: i.path)
+        group.sort(key=lambda i: original_first(i.path))
         labels = sorted({i.label for i in group})
         if len(labels) > 1:
             others = ", ".join(f"{i.path} ({i.label})" for i in group)
