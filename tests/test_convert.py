@@ -212,10 +212,14 @@ def test_rerun_is_a_no_op_and_other_settings_need_overwrite(folder, tmp_path):
     shard(cfg(folder, out))
     again = shard(cfg(folder, out))
     assert again.up_to_date and again.converted_now == 0
-    with pytest.raises(ConvertError, match="--overwrite"):
-        shard(cfg(folder, out, quality=70))
+    with pytest.raises(ConvertError, match=r"other settings: --quality 70 \(OUT has 90\), --seed 3 \(OUT has 0\)\. "
+                                           r"Use --overwrite"):
+        shard(cfg(folder, out, quality=70, seed=3))
+    (folder / "red" / "new.jpg").write_bytes(photo(COLORS["red"], seed=999))
+    with pytest.raises(ConvertError, match="other input files, with the same settings: files were added"):
+        shard(cfg(folder, out))
     replaced = shard(cfg(folder, out, quality=70, overwrite=True))
-    assert replaced.converted_now == 24 and load(out).settings["quality"] == 70
+    assert replaced.converted_now == 25 and load(out).settings["quality"] == 70
 
 
 def test_killed_run_resumes_to_identical_bytes(tmp_path):
@@ -452,6 +456,8 @@ def test_ctrl_c_while_a_shard_closes_leaves_a_folder_the_rerun_resumes(tmp_path,
         shard(cfg(src, out, **kw))
     monkeypatch.setattr(os, "replace", real)
     assert sent and not list(out.glob("*.tmp")), (handlers, sorted(p.name for p in out.iterdir()))
+    with pytest.raises(ConvertError, match=r"--short-side 40 \(OUT has 48\)"):  # from the journal: no dataset.json
+        shard(cfg(src, out, **kw, short_side=40))
     rerun = shard(cfg(src, out, **kw))
     assert 0 < rerun.converted_now < 24
     assert tree_bytes(out) == tree_bytes(tmp_path / "clean")

@@ -61,6 +61,13 @@ class ShardConfig:
                 "max_shard_size": self.shard_bytes, "min_shards": self.shard_count, "max_pixels": self.max_pixels,
                 "part": self.part, "parts": self.parts}
 
+    def changes_from(self, saved: dict) -> list[str]:
+        """The settings that differ from a conversion's recorded ones (dataset.json's or its journal's), as the
+        flags to type and both values: '--quality 70 (OUT has 90)'. SRC's path is not one (plan.fingerprints)."""
+        shown = {"max_shard_size": lambda v: f"{v / 1024**2:g}MB" if isinstance(v, int) else repr(v)}
+        return [f"--{k.replace('_', '-')} {shown.get(k, str)(v)} (OUT has {shown.get(k, str)(saved[k])})"
+                for k, v in self.settings().items() if k != "source" and k in saved and saved[k] != v]
+
     def image_settings(self) -> images.ImageSettings:
         return images.ImageSettings(self.short_side, self.quality, self.max_pixels)
 

@@ -116,7 +116,8 @@ def _guard(cfg: ShardConfig, fingerprints: tuple[str, str], journal: Journal) ->
     owned = (outputs.manifest_files(manifest) if manifest else set()) | outputs.journal_files(journal.path)
     if previous not in (None, *fingerprints):
         if not cfg.overwrite:
-            what = previous if not _is_hex(previous) else "a conversion made with other settings or input files"
+            what = previous if not _is_hex(previous) else \
+                _other_conversion(cfg, manifest.settings if manifest else journal.read_settings())
             raise ConvertError(f"{cfg.out} holds {what}. Use --overwrite to replace it (only files fastpipe "
                                f"wrote are removed), or choose another OUT folder.")
         outputs.remove(owned | outputs.temporary_files(cfg.out, cfg.prefixes) | {journal.path,
@@ -125,6 +126,21 @@ def _guard(cfg: ShardConfig, fingerprints: tuple[str, str], journal: Journal) ->
     ours = readers.names(SPLITS) if cfg.parts == 1 else []  # a cluster job's are written by its merge
     outputs.refuse_conflicts(cfg.out, outputs.foreign_conflicts(cfg.out, cfg.prefixes, owned, ours))
     return previous in fingerprints and manifest is not None
+
+
+def _other_conversion(cfg: ShardConfig, saved: dict | None) -> str:
+    """What OUT holds instead of this conversion: the settings that differ, each with both values, or else other
+    input files (the same settings: files added, removed, changed or relabelled)."""
+    if saved is None:
+        return "a conversion made with other settings or input files"
+    changes = cfg.changes_from(saved)
+    if changes:
+        return f"a conversion made with other settings: {', '.join(changes)}"
+    source = cfg.settings()["source"]
+    read = f" (it read {saved['source']}, this run {source})" if saved.get("source", source) != source else ""
+    other = f", or fastpipe {saved['fastpipe']} planned it" if saved.get("fastpipe", __version__) != __version__ else ""
+    return (f"a conversion of other input files{read}, with the same settings: files were added, removed, "
+            f"changed or relabelled since{other}")
 
 
 def _is_hex(text: str) -> bool:
@@ -240,7 +256,7 @@ def _run(cfg: ShardConfig, source, summary: Summary, start: float) -> None:
         if source.multilabel:
             summary.unlabelled = [s.path for n in SPLITS for s in mine[n] if not s.label]
         clock.lap("hash")
-        journal = Journal(cfg.out / journal_name(cfg.suffix), fingerprints[0])
+        journal = Journal(cfg.out / journal_name(cfg.suffix), fingerprints[0], cfg.settings())
         if _guard(cfg, fingerprints[:2], journal):
             summary.up_to_date = True
             return

@@ -59,24 +59,37 @@ def journal_shards(text: str) -> list[dict]:
 
 
 class Journal:
-    def __init__(self, path: Path, fingerprint: str):
-        self.path, self.fingerprint = Path(path), fingerprint
+    def __init__(self, path: Path, fingerprint: str, settings: dict | None = None):
+        # the settings beside the fingerprint: a rerun with others is told which differ, as from dataset.json
+        self.path, self.fingerprint, self.settings = Path(path), fingerprint, settings
 
-    def read_fingerprint(self) -> str | None:
+    def _head(self) -> str:
+        return json.dumps({"fingerprint": self.fingerprint, "settings": self.settings})
+
+    def _read_head(self) -> dict:
         try:
             with open(self.path) as f:
-                return json.loads(f.readline()).get("fingerprint")
+                head = json.loads(f.readline())
         except (OSError, ValueError):
-            return None
+            return {}
+        return head if isinstance(head, dict) else {}
+
+    def read_fingerprint(self) -> str | None:
+        return self._read_head().get("fingerprint")
+
+    def read_settings(self) -> dict | None:
+        """The settings of the conversion this journal records (None in a journal written before they were)."""
+        settings = self._read_head().get("settings")
+        return settings if isinstance(settings, dict) else None
 
     def load(self, folder: Path) -> dict[str, SplitProgress]:
         """Valid progress per split; an entry whose shard is missing or altered ends that split's progress."""
         progress: dict[str, SplitProgress] = {}
         if self.read_fingerprint() != self.fingerprint:
-            self.path.write_text(json.dumps({"fingerprint": self.fingerprint}) + "\n")
+            self.path.write_text(self._head() + "\n")
             return progress
         broken: set[str] = set()
-        kept = [json.dumps({"fingerprint": self.fingerprint})]
+        kept = [self._head()]
         for line, entry in _entries(self.path.read_text().splitlines()):  # after a cut line: redone
             split = entry["split"]
             if split in broken or not _shard_intact(folder, entry.get("shard")):
