@@ -438,6 +438,14 @@ def test_resume_uses_the_saved_settings_and_refuses_others(converted, tmp_path, 
     saved = json.loads((out / "config.json").read_text())["train"]
     assert (saved["batch_size"], saved["image_size"], saved["lr"]) == (8, 32, 0.01)
     assert _summary(out)["status"] == "finished" and _summary(out)["epochs_done"] == 2
+    # Once more: it printed only 'run folder: ...', as if it had trained
+    summary = (out / "summary.json").read_text()
+    capsys.readouterr()
+    assert main(["train", str(converted), "--out", str(out), "--resume"]) == 0
+    said = capsys.readouterr().out
+    assert "is finished: 2 of 2 epochs trained, nothing to resume" in said, said
+    assert f"fastpipe train {converted} --out {out} --resume --epochs N (N above 2)" in said, said
+    assert (out / "summary.json").read_text() == summary  # nothing run, nothing recorded
 
 
 def test_a_crafted_or_damaged_checkpoint_is_refused_without_running_it(converted, tmp_path):

@@ -176,6 +176,11 @@ def train(cfg: TrainConfig) -> Path:
     start = Start()
     if cfg.resume and (state := run.load()) is not None:
         start = _restore(trainer, state, run)
+    if start.epoch >= cfg.epochs:  # every epoch trained: nothing to run, and no record to change
+        if d.main:
+            print(f"{run.path} is finished: {cfg.epochs} of {cfg.epochs} epochs trained, nothing to resume. To train "
+                  f"it further: fastpipe train {cfg.data} --out {run.path} --resume --epochs N (N above {cfg.epochs})")
+        return run.path
     if d.main:
         if not has_val:
             print("no validation split in the data set: training without evaluation", file=sys.stderr)
