@@ -159,4 +159,5 @@ def test_training_learns_labels_and_records_per_class_figures(multi, tmp_path):
     last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
     for key in ("per_class_ap", "per_class_precision", "per_class_recall", "per_class_f1", "val_exact_match"):
         assert len(last[key]) == 3 if key.startswith("per_class") else 0 <= last[key] <= 1
+    assert tuple(last["per_class_positives"]) == load(multi).splits["val"].class_counts  # each class's n, drawn
     assert (run / "classes.png").stat().st_size > 3000 and (run / "curves.png").exists()

@@ -42,6 +42,7 @@ def multilabel_metrics(probs: torch.Tensor, targets: torch.Tensor, threshold: fl
     seen = ~ap.isnan()
     return {"val_map": float(ap[seen].mean()) if seen.any() else 0.0,
             "val_exact_match": float((pred == targets).all(1).float().mean()) if len(targets) else 0.0,
+            "per_class_positives": [int(n) for n in targets.sum(0).tolist()],  # how many val images show it
             "val_macro_f1": float(f1.mean()), "threshold": threshold,
             "per_class_ap": [None if x != x else round(x, 4) for x in ap.tolist()],
             "per_class_precision": precision.tolist(), "per_class_recall": recall.tolist(),

@@ -18,6 +18,10 @@ def _figure(*size):
 
 
 def curves_png(metrics: list[dict], path: Path) -> None:
+    curves_figure(metrics).savefig(path, dpi=100)
+
+
+def curves_figure(metrics: list[dict]):
     ep = [m["epoch"] + 1 for m in metrics]
     fig = _figure(13, 3.6)
     axes = fig.subplots(1, 3)
@@ -40,11 +44,12 @@ def curves_png(metrics: list[dict], path: Path) -> None:
     ax2.set_ylim(0, 100)
     ax2.set_ylabel("data wait (% of each step)")
     axes[2].set_ylabel("images / s")
+    axes[2].set_ylim(0, 1.1 * max([m["img_per_s"] for m in metrics] + [1e-9]))  # from 0: 2 % is not a jump
     axes[2].set_title("throughput (line) and data wait % (bars)")
     for a in axes:
         a.set_xlabel("epoch")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    return fig
 
 
 def confusion_png(confusion: list[list[int]], classes, path: Path) -> None:
@@ -67,12 +72,25 @@ def confusion_png(confusion: list[list[int]], classes, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def class_counts(last: dict) -> list[int] | None:
+    """Each class's val images (single-label: the confusion's rows) or positives (multi-label), when recorded."""
+    if "confusion" in last:
+        return [int(sum(row)) for row in last["confusion"]]
+    return last.get("per_class_positives")
+
+
 def per_class_png(last: dict, classes, path: Path) -> None:
-    """The last evaluation per class: accuracy (single-label) or AP and F1 (multi-label), rarest problems visible."""
+    per_class_figure(last, classes).savefig(path, dpi=100)
+
+
+def per_class_figure(last: dict, classes):
+    """The last evaluation per class: accuracy (single-label) or AP and F1 (multi-label), rarest problems visible,
+    each class with its number of val images under its name (a score of 1 or 2 images says little)."""
     k = len(classes)
-    fig = _figure(max(5.0, 0.55 * k + 2), 3.6)
+    fig = _figure(max(5.0, 0.55 * k + 2), 3.8)
     ax = fig.add_subplot()
     x = np.arange(k)
+    counts = class_counts(last)
     if "per_class_ap" in last:
         ap = [v if v is not None else 0.0 for v in last["per_class_ap"]]
         for bars in (ax.bar(x - 0.2, ap, 0.4, label="average precision", color="tab:blue"),
@@ -81,13 +99,16 @@ def per_class_png(last: dict, classes, path: Path) -> None:
             ax.bar_label(bars, fmt="%.2f", fontsize=6)  # a class at 0 shows its 0.00, not an empty slot
         ax.set_ylabel("score (0-1)")
         ax.legend(fontsize=8)
-        ax.set_title(f"per class, last epoch: mAP {last['val_map']:.3f}", fontsize=9)
+        ax.set_title(f"per class, last epoch: mAP {last['val_map']:.3f}" + ("; n = val images with the label"
+                                                                            if counts else ""), fontsize=9)
     else:
         bars = ax.bar(x, last["per_class_acc"], 0.6, color="tab:green")
         ax.bar_label(bars, fmt="%.2f", fontsize=7)  # a class at 0 shows its 0.00, not an empty slot
-        ax.set_title(f"per-class validation accuracy, last epoch ({last['val_acc']:.3f} overall)", fontsize=9)
+        ax.set_title(f"per-class validation accuracy, last epoch ({last['val_acc']:.3f} overall); n = val images",
+                     fontsize=9)
         ax.set_ylabel("accuracy (0-1)")
     ax.set_ylim(0, 1.08)
-    ax.set_xticks(x, classes, rotation=45, ha="right", fontsize=8)
+    names = [f"{c} (n={n})" for c, n in zip(classes, counts)] if counts else list(classes)
+    ax.set_xticks(x, names, rotation=45, ha="right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    return fig
