@@ -909,6 +909,23 @@ def test_preview_names_never_collide_or_escape(tmp_path):
         assert p.parent == (out / "previews").resolve() and p.is_file() and len(p.name) < 100
 
 
+def test_preview_tiles_are_apart(tmp_path):
+    """Photos that fill their cell touched their neighbours: the sheet read as one picture."""
+    from PIL import Image
+
+    from fastpipe.convert.previews import CELL, TITLE, draw
+
+    white = photo((250, 250, 250), size=(CELL, CELL))
+    draw([(4, [("s", (0, 0))] * 4)], ["c"], tmp_path, lambda locations: [white] * len(locations), per_class=4)
+    sheet = np.asarray(Image.open(tmp_path / "c.jpg").convert("L")).astype(int)
+    across = sheet[TITLE + CELL // 2] > 128  # a line through the first row of tiles: light on the tiles
+    down = sheet[TITLE:, CELL // 2] > 128
+    for line in (across, down):  # 2 x 2 tiles: one dark gap between the light, along and across
+        gaps = np.diff(np.flatnonzero(line)) - 1
+        dark = gaps[gaps > 0]
+        assert len(dark) == 1 and dark[0] >= 3, dark
+
+
 def test_conversion_pool_forks_only_where_that_is_safe(monkeypatch):
     """fork (fast; no re-import of the caller's main module) unless a DALI pipeline or a CUDA context lives here."""
     import sys

@@ -18,6 +18,7 @@ from fastpipe.util import atomic_write_bytes
 
 CELL = 220
 TITLE = 28
+GAP = 6  # background between tiles: two photos side by side read as one otherwise
 
 
 def preview_names(classes) -> dict[str, str]:
@@ -63,14 +64,14 @@ def _sheet(job: tuple[str, int, list[bytes], int]) -> bytes:
     """One class's contact sheet as JPEG bytes. `job`: the class name, its sample count, the picked images' bytes,
     the side of the grid."""
     name, count, images, side = job
-    sheet = Image.new("RGB", (side * CELL, side * CELL + TITLE), (30, 30, 30))
+    sheet = Image.new("RGB", (GAP + side * (CELL + GAP), TITLE + side * (CELL + GAP)), (30, 30, 30))
     ImageDraw.Draw(sheet).text((8, 8), f"{name[:60]}  ({count} samples, {len(images)} shown)", fill=(240, 240, 240))
     for i, data in enumerate(images):
         try:
             tile = _tile(data)
         except (OSError, ValueError, SyntaxError):
             continue  # an undecodable sample: the loaders skip it, inspect --verify names it
-        x, y = (i % side) * CELL, (i // side) * CELL + TITLE
+        x, y = GAP + (i % side) * (CELL + GAP), TITLE + (i // side) * (CELL + GAP)
         sheet.paste(tile, (x + (CELL - tile.width) // 2, y + (CELL - tile.height) // 2))
     buf = io.BytesIO()
     sheet.save(buf, "JPEG", quality=85)
