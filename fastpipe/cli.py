@@ -68,7 +68,7 @@ def add_config(p: argparse.ArgumentParser, cls, skip=()) -> None:
         if m["positional"]:
             p.add_argument(f.name, metavar=m["flag"] or f.name.upper(), nargs=m["nargs"], type=_argtype(parse),
                            help=m["help"])
-        elif kind is bool and not m["sweep"]:
+        elif kind is bool and not m["sweep"] and m["parse"] is None:  # else its parser's words (on/off)
             action = "store_true" if default is False else argparse.BooleanOptionalAction
             p.add_argument(m["flag"] or f"--{f.name.replace('_', '-')}", dest=f.name, action=action,
                            default=argparse.SUPPRESS, help=m["help"] + shown)
@@ -107,7 +107,7 @@ def _cmd_shard(a) -> int:
     cfg = config_from(a, ShardConfig)
     reuse_freed_memory()  # the command's own process, which converts every photo itself with --workers 1
     summary = shard(cfg)
-    print("\n".join(summary.lines()))
+    print(redact("\n".join(summary.lines())))  # its notes quote a list's header row
     if cfg.parts > 1:
         print(f"part {cfg.part} of {cfg.parts} done; when all parts are: fastpipe merge {cfg.out}")
     else:
@@ -148,6 +148,9 @@ def _cmd_index(a) -> int:
     print(f"indexed {sum(s.samples for s in manifest.splits.values())} samples in "
           f"{sum(len(s.shards) for s in manifest.splits.values())} shards -> {manifest.location}/dataset.json"
           + (f"\nnote: {manifest.settings['note']}" if manifest.settings.get("note") else ""))
+    if undecoded := manifest.settings.get("undecoded"):
+        print(f"{len(undecoded)} of the images sampled for mean/std refused or failed to decode (left out; the loaders "
+              f"skip them): " + "; ".join(undecoded[:3]) + ("; ..." if len(undecoded) > 3 else ""))
     return 0
 
 
@@ -221,6 +224,27 @@ def _cmd_bench(a) -> int:
     return 0
 
 
+def _cmd_predict(a) -> int:
+    from fastpipe.predict.config import PredictConfig
+
+    cfg = config_from(a, PredictConfig)
+    from fastpipe.predict.run import predict
+
+    result = predict(cfg, log=lambda line: print(line, file=sys.stderr, flush=True))
+    print("\n".join(result.lines))
+    return 0
+
+
+def _cmd_export(a) -> int:
+    from fastpipe.predict.config import ExportConfig
+
+    cfg = config_from(a, ExportConfig)
+    from fastpipe.predict.export import export
+
+    export(cfg)
+    return 0
+
+
 def _cmd_doctor(a) -> int:
     from fastpipe.doctor import run_doctor
 
@@ -241,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     from fastpipe.convert.driver import ShardConfig
     from fastpipe.convert.foreign import IndexConfig
     from fastpipe.demo import DemoConfig
+    from fastpipe.predict.config import ExportConfig, PredictConfig
     from fastpipe.train.config import MemoryConfig, TrainConfig
 
     ap = argparse.ArgumentParser(prog="fastpipe", description=fastpipe.__doc__)
@@ -282,6 +307,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 "device-bound, balanced) with advice. Comma-separated values sweep.")
     p.add_argument("--json", help="write every figure, the settings, versions and device here")
     p.add_argument("--plot", help="PNG of the three rates per configuration, verdict in the title")
+    _configured(sub, "predict", PredictConfig, _cmd_predict, "nothing was written; rerun the command",
+                help="classify new photos with a trained run or an exported model, prepared as in training",
+                description="Each photo is prepared exactly as the model's training photos were (the converter's "
+                            "image step, then the validation transform) and scored; a CSV (or JSON lines) row per "
+                            "photo, and accuracy, confusion and mistakes when SRC has labels.")
+    _configured(sub, "export", ExportConfig, _cmd_export, "rerun the command",
+                help="write a trained run as one ONNX or torch.export file (uint8 in, probabilities out)")
     p = sub.add_parser("runs", help="list training runs side by side")
     p.add_argument("root", nargs="?", default="runs")
     p.set_defaults(func=_cmd_runs, interrupt_hint="")

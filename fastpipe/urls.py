@@ -9,7 +9,10 @@
   segments, no backslash, no `?`/`#`, no control characters, no scheme. What is checked is then exactly what is
   requested, on every protocol (an HTTP client turns `%2e%2e/other` into `../other`, and the server into
   `/other`: another prefix's data).
-- `redact(text)` takes the credentials out of every URL in a text; every message the CLI prints goes through it.
+- `redact(text)` takes the secrets out of every URL or path in a text: the user:password@ of a URL, and the value
+  of every query (or fragment) parameter, whatever its name: a pre-signed URL's token may be called anything
+  (X-Amz-Signature, sig, password, passwd, ...). Every message the CLI prints goes through it, and so does every
+  string written from SRC's rows and names (rejected.jsonl, a sample's path): a list row is text from outside.
 """
 
 from __future__ import annotations
@@ -19,19 +22,28 @@ from urllib.parse import urlsplit
 
 from fastpipe.errors import ConfigError
 
-# Up to the last '@' of the URL: a secret may hold '/' (AWS secret keys do), which ends a URL's host part.
-_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^\s@]*@")
-_QUERY_SECRET = re.compile(r"(?P<key>[?&][^=&#\s]*(?:sig|signature|token|key|secret|credential)[^=&#\s]*=)"
-                           r"[^&#\s]*", re.IGNORECASE)
+# A scheme and its userinfo, up to the '@' that ends it: a secret may hold '/' (AWS secret keys do), which would end a
+# URL's host part, and '@' (then every '@'-ended run without '/', '?' or '#' that follows is the secret's too). One
+# slash is enough: a URL read as a path on disk ('https://a:b@h/x' as Path) keeps only one.
+_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*:/+)[^\s@]*@(?:[^\s@/?#]*@)*")
+# A query or fragment: from '?' or '#' to a space, or to a closing quote (one followed by what follows a quoted string
+# in a repr or JSON text: a quote inside a value is part of it).
+_QUERY = re.compile(r"[?#](?:[^\s#'\"]|['\"](?![\s,\])}:]|$))*")
+_PARAMETER = re.compile(r"(?P<key>(?:^[?#]|&)[^=&]*=)[^&]*")
 _BAD_PATH = re.compile(r"[%\\?#\x00-\x1f\x7f]")
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 
 
 def redact(text: str) -> str:
-    """`text` with the credentials of every URL in it replaced by ***: user:password@, and the value of query
-    parameters named like a signature, token, key or secret."""
+    """`text` with the secrets of every URL or path in it replaced by ***: a URL's user:password@, and the value of
+    every query and fragment parameter (`?X-Amz-Signature=***&X-Amz-Expires=***`). The same text again is unchanged."""
     text = _CREDENTIALS.sub(lambda m: f"{m['scheme']}***@", str(text))
-    return _QUERY_SECRET.sub(lambda m: f"{m['key']}***", text)
+    return _QUERY.sub(lambda q: _PARAMETER.sub(lambda m: f"{m['key']}***", q[0]), text)
+
+
+def holds_secret(text: str) -> bool:
+    """Whether `text` holds what redact() takes out: a name that cannot be written as it is."""
+    return redact(text) != text
 
 
 def check_url(url: str, what: str = "URL") -> str:
@@ -75,4 +87,4 @@ def check_relative(rel, where: str) -> str:
     return rel
 
 
-__all__ = ["check_location", "check_relative", "check_url", "redact"]
+__all__ = ["check_location", "check_relative", "check_url", "holds_secret", "redact"]

@@ -4,13 +4,16 @@ carry credentials into records or messages, and a hostile server cannot hold a r
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
+from conftest import COLORS, make_folder, photo
 
 from fastpipe.errors import ConfigError
 from fastpipe.loaders import make_loader
@@ -100,9 +103,76 @@ def test_the_python_api_refuses_them_too(tmp_path):
 
 
 def test_redact_takes_every_credential_out_of_a_text():
+    """The userinfo of a URL, and the value of every query or fragment parameter whatever its name; a URL read as a
+    path (one slash left), and a URL quoted in a repr or in JSON, alike. Redacting twice changes nothing more."""
     text = (f"s3://KEY:{SECRET}@b/x failed; http://u:{SECRET}@h/p and az://acct/c?sig={SECRET}&se=2030 "
-            f"then https://h/p?token={SECRET}")
-    assert SECRET not in redact(text) and "s3://***@b/x" in redact(text) and "se=2030" in redact(text)
+            f"then https://h/p?token={SECRET} or a.jpg?passwd={SECRET}&password={SECRET}#access_token={SECRET} "
+            f"or https:/alice:{SECRET}@h/a.jpg or s3:/KEY:{SECRET}/x@y@bucket/a.jpg "
+            f"in {['x.jpg?X-Amz-Signature=' + SECRET, 'cat']!r} and {json.dumps({'path': 'y?q=' + SECRET})}")
+    out = redact(text)
+    assert SECRET not in out and redact(out) == out
+    assert "s3://***@b/x" in out and "se=***" in out and "https:/***@h/a.jpg" in out and "s3:/***@bucket/a.jpg" in out
+    assert "['x.jpg?X-Amz-Signature=***', 'cat']" in out and '{"path": "y?q=***"}' in out
+    plain = "a.jpg: no such file (no other URL, '..', %-escape, ? or #); what? column '#3': 'x'"
+    assert redact(plain) == plain
+
+
+def _hostile_list(tmp_path) -> Path:
+    """A list that meets every rejection of a list's rows and of the photos it names, each row or name holding
+    SECRET: as a URL's password, as the value of a query parameter of any name, in a file's own name."""
+    data = tmp_path / "data"
+    make_folder(data / "imgs", {"red": 3, "blue": 3}, size=(48, 36))
+    imgs = data / "imgs"
+    (imgs / f"ok.jpg?sig={SECRET}").write_bytes(photo(COLORS["red"], (48, 36), seed=50))  # a photo kept
+    (imgs / f"dup.jpg?X-Amz-Signature={SECRET}").write_bytes((imgs / "red" / "img_000.jpg").read_bytes())
+    (imgs / f"conflict.jpg?token={SECRET}").write_bytes((imgs / "blue" / "img_000.jpg").read_bytes())
+    (imgs / f"broken.jpg?key={SECRET}").write_bytes(b"not a photo")
+    (imgs / f"dir?sig={SECRET}").mkdir()
+    os.symlink(f"loop?sig={SECRET}", imgs / f"loop?sig={SECRET}")
+    good = [f"imgs/{c}/img_{i:03d}.jpg,{c}" for c in ("red", "blue") for i in range(3)]
+    hostile = [f"http://bob:{SECRET}@host/a.jpg",  # one cell: bad-row
+               f'http://carol:{SECRET}@host/b.jpg,"bad\x01label"', f"imgs/e.jpg,http://dave:{SECRET}@h/x",
+               f"https://erin:{SECRET}@h/c.jpg,red,extra", f"s3://KEY:{SECRET}@b/d.jpg,red;blue",
+               f"imgs/a.jpg?password={SECRET},red", f"imgs/b.jpg?passwd={SECRET},red",
+               f"https://alice:{SECRET}@host/a.jpg,red", f"s3://KEY:{SECRET}/x@bucket/a.jpg,red",
+               f"imgs/c.jpg?X-Amz-Signature={SECRET},red", f"/elsewhere/e.jpg?token={SECRET},red",
+               f"imgs/dir?sig={SECRET},red", f"imgs/loop?sig={SECRET},red", f"imgs/ok.jpg?sig={SECRET},red",
+               f"imgs/dup.jpg?X-Amz-Signature={SECRET},red", f"imgs/conflict.jpg?token={SECRET},red",
+               f"imgs/broken.jpg?key={SECRET},red"]
+    (data / "list.csv").write_text("\n".join(["path,label", *good, *hostile]) + "\n")
+    return data / "list.csv"
+
+
+def _no_secret_anywhere(out: Path, said: str) -> dict[str, str]:
+    """Every file written (its bytes and its name) and all that was said: no SECRET; the rejections by path."""
+    written = list(out.rglob("*"))
+    assert written and not any(SECRET in p.name for p in written), [p.name for p in written]
+    assert not [p for p in written if p.is_file() and SECRET.encode() in p.read_bytes()]
+    assert SECRET not in said and "Traceback" not in said, said[-3000:]
+    return {r["path"]: r["reason"] for r in map(json.loads, (out / "rejected.jsonl").read_text().splitlines())}
+
+
+def test_secrets_in_a_lists_rows_are_never_written_or_printed(tmp_path):
+    """Every way a list's row (or the photo it names) is refused or kept, on disk and on an http(s) server: the
+    rejections, dataset.json, the shards' per-sample records, the previews and their names, the journal, the summary
+    and the command's output hold no password, token or signature of any row."""
+    listed = _hostile_list(tmp_path)
+    run = [sys.executable, "-m", "fastpipe", "shard", "--workers", "1", "--short-side", "32", "--val-fraction", "0"]
+    r = subprocess.run([*run, str(listed), str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    reasons = _no_secret_anywhere(tmp_path / "out", r.stdout + r.stderr)
+    assert {"bad-row", "bad-label", "missing", "outside-root", "not-a-file", "unreadable", "duplicate",
+            "label-conflict", "not-an-image"} <= set(reasons.values()), reasons
+    assert reasons["imgs/a.jpg?password=***"] == "missing" and reasons["https:/***@host/a.jpg"] == "missing"
+    assert load(tmp_path / "out").splits["train"].samples == 6  # 5 good rows (blue/img_000's twin is red) and ok.jpg
+    remote = [f"{{url}}/imgs/red/img_000.jpg?password={SECRET},red", f"imgs/blue/img_000.jpg?passwd={SECRET},red"]
+    with FolderServer(listed.parent) as url:
+        (listed.parent / "remote.csv").write_text(listed.read_text() + "\n".join(remote).format(url=url) + "\n")
+        r = subprocess.run([*run, f"{url}/remote.csv", str(tmp_path / "from-http")], capture_output=True,
+                           text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    reasons = _no_secret_anywhere(tmp_path / "from-http", r.stdout + r.stderr)
+    assert reasons[f"{url}/imgs/red/img_000.jpg?password=***"] == "outside-root", reasons
 
 
 @pytest.fixture

@@ -24,10 +24,16 @@ from fastpipe.convert.sources import Rejection
 from fastpipe.convert.summary import Summary, summarise
 from fastpipe.convert.workers import Workers
 from fastpipe.convert.writer import ShardWriter
+from fastpipe.errors import DataError
 from fastpipe.manifest import Components, Manifest, SplitInfo, Stats
 from fastpipe.shardformat import encode_label
 from fastpipe.storage import is_url
+from fastpipe.urls import redact
 from fastpipe.util import FolderLock, usable_cores, write_json_atomic, write_jsonl_atomic
+
+
+class PhotoChanged(DataError):
+    """With --on-change stop: a photo's bytes changed between planning and converting."""
 
 
 # -- main side ---------------------------------------------------------------------------------------
@@ -41,7 +47,7 @@ def _sample_parts(enc: images.Encoded, sample: plan.Sample, classes) -> dict[str
         named = {"classes": ";".join(classes[k] for k in sample.label), "labels": hot}
     else:
         named = {"class": classes[sample.label], "label": sample.label}
-    meta = {"path": sample.path, **named, "orig_size": list(enc.orig_size), "size": list(enc.size)}
+    meta = {"path": redact(sample.path), **named, "orig_size": list(enc.orig_size), "size": list(enc.size)}
     return {"jpg": enc.jpeg, **encode_label(sample.label, len(classes)),
             "json": json.dumps(meta, sort_keys=True).encode()}
 
@@ -75,7 +81,7 @@ class _SplitRun:
     def add(self, result, classes, summary: Summary) -> None:
         sample = self.samples[self.pos]
         if isinstance(result, images.Rejected):
-            self.rejected.append({"path": sample.path, "reason": result.reason, "detail": result.detail})
+            self.rejected.append(Rejection(sample.path, result.reason, result.detail).to_dict())  # redacted
         else:
             summary.written_now += 1
             if result.mode != "RGB":
@@ -147,22 +153,29 @@ def _is_hex(text: str) -> bool:
     return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
 
 
-def _convert(runs: list[_SplitRun], source, pixels: dict[str, int], pool, summary: Summary) -> None:
-    """Every split still to do, under one progress bar (with a Ray pool: its nodes busy and tasks retried)."""
+def _convert(runs: list[_SplitRun], source, hashed: tuple[dict, dict], pool, summary: Summary,
+             on_change: str) -> None:
+    """Every split still to do, under one progress bar (with a Ray pool: its nodes busy and tasks retried).
+    `hashed`: each photo's sha256 and pixels, as the plan read them."""
     with tqdm(total=sum(len(r.samples) - r.pos for r in runs), desc="converting", unit="img",
               mininterval=0.5) as bar:
         for run in runs:
-            summary.converted_now += _convert_split(run, source, pixels, pool, bar, summary)
+            summary.converted_now += _convert_split(run, source, hashed, pool, bar, summary, on_change)
 
 
-def _convert_split(run: _SplitRun, source, pixels: dict[str, int], pool, bar, summary: Summary) -> int:
-    todo = run.samples[run.pos:]
-    where = [photos.location(source.root, s.path) for s in todo]
+def _convert_split(run: _SplitRun, source, hashed: tuple[dict, dict], pool, bar, summary: Summary,
+                   on_change: str) -> int:
+    todo, (hashes, pixels) = run.samples[run.pos:], hashed
+    # each photo with the hash the plan has for it: the worker converts those bytes or none (photos.convert_one)
+    where = [photos.Planned(photos.location(source.root, s.path), hashes[s.path]) for s in todo]
     # 4 a task: fewer messages per image; more would leave one worker idle longer at the end
     results = pool.imap(photos.convert_one, where, chunksize=4, pixels=[pixels.get(s.path, 0) for s in todo]) \
         if pool else map(photos.convert_one, where)
     try:
         for result in results:
+            if on_change == "stop" and isinstance(result, images.Rejected) and result.reason == "changed":
+                raise PhotoChanged(f"{run.samples[run.pos].path}: {result.detail} (--on-change stop: the shards "
+                                   f"finished before are kept)")
             run.add(result, source.classes, summary)
             bar.update()
             if pool is not None:
@@ -231,7 +244,7 @@ def _shard_into(cfg: ShardConfig, source, start: float) -> Summary:
 
 def _plan(cfg: ShardConfig, source, workers: int, pool):
     """(this part's samples per split, each whole split's size, the plan's fingerprints, early rejections, each
-    photo's pixels)."""
+    photo's (sha256, pixels))."""
     hashes, early, pixels = plan.hash_files(source, workers, pool if cfg.uses_ray else None)
     items, duplicates = plan.deduplicate(list(source.items), hashes)
     by_split = plan.split_items(items, cfg.val_fraction, cfg.seed, source.multilabel)
@@ -241,7 +254,7 @@ def _plan(cfg: ShardConfig, source, workers: int, pool):
     # Refusals found before any decoding are recorded once, by part 0, for a cluster job.
     early_all = list(source.rejections) + early + duplicates if cfg.part == 0 else []
     totals = {n: len(s) for n, s in ordered.items()}  # the whole split's size: --min-shards cuts by its share
-    return mine, totals, plan.fingerprints(cfg.settings(), ordered, mine, hashes), early_all, pixels
+    return mine, totals, plan.fingerprints(cfg.settings(), ordered, mine, hashes), early_all, (hashes, pixels)
 
 
 def _run(cfg: ShardConfig, source, summary: Summary, start: float) -> None:
@@ -252,7 +265,7 @@ def _run(cfg: ShardConfig, source, summary: Summary, start: float) -> None:
     clock = _Clock(summary.phases, start)
     try:
         clock.lap("start")
-        mine, totals, fingerprints, early, pixels = _plan(cfg, source, workers, pool)
+        mine, totals, fingerprints, early, hashed = _plan(cfg, source, workers, pool)
         if source.multilabel:
             summary.unlabelled = [s.path for n in SPLITS for s in mine[n] if not s.label]
         clock.lap("hash")
@@ -264,7 +277,7 @@ def _run(cfg: ShardConfig, source, summary: Summary, start: float) -> None:
         summary.resumed = sum(p.end for p in progress.values())
         runs = [_SplitRun(n, mine[n], cfg, journal, p, len(source.classes), totals[n]) for n in SPLITS
                 if not (p := progress.setdefault(n, SplitProgress())).done]
-        _convert(runs, source, pixels, pool, summary)
+        _convert(runs, source, hashed, pool, summary, cfg.on_change)
         clock.lap("convert")
         _finalize(cfg, source, progress, early, {"fingerprint": fingerprints[0], "plan": fingerprints[2]}, pool)
         journal.remove()

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from fastpipe.convert.sources import Item, Rejection, Source, class_order, numeric_note
 from fastpipe.errors import DataError
+from fastpipe.urls import holds_secret, redact
 
 LIST_SUFFIXES = {".csv", ".txt", ".tsv", ".lst"}
 HEADER_WORDS = {"label", "labels", "class", "classes", "category", "target", "y", "class_id", "classid",
@@ -159,19 +160,22 @@ def _check_row(place, row: list[str], lineno: int, multilabel: bool = False, wid
     or a label that is damage."""
     row = _trimmed(row)
     if len(row) < 2 or not row[0].strip() or (not row[1].strip() and not multilabel):
-        return Rejection(f"<line {lineno}>", "bad-row", f"expected 'path,label', got {row!r}"[:300])
+        shown = [redact(c) for c in row]  # before cutting to length: a cut URL would keep its secret
+        return Rejection(f"<line {lineno}>", "bad-row", f"expected 'path,label', got {shown!r}"[:300])
     raw = row[0].strip()
     if len(row) > width:
-        return Rejection(raw[:300], "bad-row", f"line {lineno}: {len(row)} columns where the list has {width}: "
+        return Rejection(redact(raw)[:300], "bad-row", f"line {lineno}: {len(row)} columns where the list has {width}: "
                          f"quote a label that holds a comma (\"a,b\"), join a label set with ';'")
     if not multilabel and _SET_SEPARATORS.search(row[1]):
-        return Rejection(raw[:300], "bad-label", f"line {lineno}: {row[1].strip()[:60]!r} is a label set, but the "
-                         f"list has one label per row; for a multi-label list name the label column 'labels'")
+        return Rejection(redact(raw)[:300], "bad-label", f"line {lineno}: {redact(row[1].strip())[:60]!r} is a "
+                         f"label set, but the list has one label per row; for a multi-label list name the label "
+                         f"column 'labels'")
     labels = [p.strip() for p in _SET_SEPARATORS.split(row[1])] if multilabel else [row[1].strip()]
-    odd = next((x for x in labels if len(x) > MAX_LABEL or any(ord(c) < 32 for c in x)), None)
+    odd = next((x for x in labels if len(x) > MAX_LABEL or any(ord(c) < 32 for c in x) or holds_secret(x)), None)
     if odd is not None:
-        what = "a line break or control character" if len(odd) <= MAX_LABEL else f"{len(odd)} characters"
-        return Rejection(raw[:300], "bad-label", f"line {lineno}: a label holds {what}: {odd[:60]!r}")
+        what = ("a URL's credentials or query value" if holds_secret(odd) else "a line break or control character"
+                if len(odd) <= MAX_LABEL else f"{len(odd)} characters")
+        return Rejection(redact(raw)[:300], "bad-label", f"line {lineno}: a label holds {what}: {redact(odd)[:60]!r}")
     label = _label_set(row[1]) if multilabel else labels[0]
     rel = place(raw)
     return rel if isinstance(rel, Rejection) else Item(rel, label, None)
@@ -200,13 +204,13 @@ def _as_label_sets(rows, columns: list[str]) -> tuple[list, list[Rejection]]:
     for n, r in rows:
         cells = [c.strip() for c in _trimmed(r)[1:]]
         if len(cells) != len(columns):
-            bad.append(Rejection(r[0].strip()[:300] or f"<line {n}>", "bad-row",
+            bad.append(Rejection(redact(r[0].strip())[:300] or f"<line {n}>", "bad-row",
                                  f"line {n}: {len(cells)} class cells where the header names {len(columns)}"))
             continue
         wrong = next(((columns[k], c) for k, c in enumerate(cells) if c not in ("0", "1", "")), None)
         if wrong is not None:
-            bad.append(Rejection(r[0].strip()[:300] or f"<line {n}>", "bad-label",
-                                 f"line {n}, column {wrong[0]!r}: {wrong[1][:60]!r} is not 0 or 1"))
+            bad.append(Rejection(redact(r[0].strip())[:300] or f"<line {n}>", "bad-label",
+                                 f"line {n}, column {wrong[0]!r}: {redact(wrong[1])[:60]!r} is not 0 or 1"))
             continue
         out.append((n, [r[0], ";".join(c for c, v in zip(columns, cells) if v == "1")]))
     return out, bad
@@ -243,6 +247,9 @@ def from_bytes(data: bytes, where: str, root, place, names_file=lambda first: Fa
                         f"{'multi' if multilabel else 'single'}-label: {why})")
     names = {n for i in items for n in i.label.split(";") if n} if multilabel else {i.label for i in items}
     classes = tuple(header[1:]) if mode == "columns" else class_order(names)
+    if any(map(holds_secret, classes)):  # a class name is written (dataset.json, previews' names): never a secret
+        raise DataError(f"{where}: a class column's name holds a URL's credentials or query value "
+                        f"({', '.join(redact(c) for c in classes if holds_secret(c))}): rename it in the header row")
     notes += numeric_note(classes)
     if multilabel:
         notes += (f"multi-label list: {len(classes)} labels",)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastpipe.errors import DataError
+from fastpipe.urls import redact
 
 # Files and folders every photo collection carries that are not photos: ignored, and counted in the summary.
 SYSTEM_NAMES = {"thumbs.db", "desktop.ini", "icon\r", "__macosx", "__pycache__", "$recycle.bin"}
@@ -28,9 +29,16 @@ class Item:
 
 @dataclass(frozen=True)
 class Rejection:
+    """A file or row refused, as rejected.jsonl records it: its path and detail redacted (urls.redact), since both
+    may quote a row of a list, a URL with its credentials or a pre-signed query."""
+
     path: str
     reason: str
     detail: str
+
+    def __post_init__(self):
+        object.__setattr__(self, "path", redact(self.path))
+        object.__setattr__(self, "detail", redact(self.detail))
 
     def to_dict(self) -> dict:
         return {"path": self.path, "reason": self.reason, "detail": self.detail}
@@ -181,3 +189,11 @@ def _class_items(walk: _Walk, path: Path, label: str | None, split: str | None, 
         walk.rejections += [Rejection(walk.rel(p), *refuse) for p in found]
         return []
     return [Item(p.relative_to(root).as_posix(), label, split) for p in found]
+
+
+def files_below(root: Path) -> tuple[list[str], list[Rejection], int]:
+    """Every file below `root` whatever the folders are (paths relative to it), by the walk's rules: the
+    rejections it makes, and the count of hidden and system files ignored."""
+    walk = _Walk(root, None)
+    walk.folder(root)
+    return [walk.rel(p) for p in walk.files], walk.rejections, walk.ignored
