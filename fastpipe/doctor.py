@@ -1,8 +1,8 @@
 """`fastpipe doctor`: the "why can't PyTorch see my GPU" checklist as a command.
 
-Each check prints OK / WARN / FAIL, what it found, and the fix. Exit code 1 only when something is broken
-(a GPU this machine has that torch can't use, a package that fails to import); a CPU-only machine is a
-warning, not a failure.
+Each check prints OK / INFO / WARN / FAIL, what it found, and the fix. Exit code 1 only when something is broken
+(a GPU this machine has that torch can't use, a package that fails to import). INFO is an optional suggestion (a
+faster Pillow, DALI, torch's CPU build where there is no GPU), so a complete install shows no warning.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Check:
-    status: str  # OK | WARN | FAIL
+    status: str  # OK | INFO (an optional suggestion) | WARN | FAIL
     name: str
     found: str
     fix: str = ""
@@ -59,7 +59,7 @@ def check_torch(gpus: list[str] | None) -> list[Check]:
     checks = []
     cuda_build = torch.version.cuda
     if cuda_build is None:
-        status = "FAIL" if gpus else "WARN"
+        status = "FAIL" if gpus else "INFO"
         checks.append(Check(status, "torch build", f"{torch.__version__}, CPU-only build",
                             "torch is a CPU build: reinstall a CUDA wheel matching your driver "
                             "(pytorch.org's install selector gives the pip command)" if gpus else
@@ -112,7 +112,7 @@ def check_dali() -> Check:
     dists = {d: _dist_version(d) for d in ("nvidia-dali-cuda120", "nvidia-dali-cuda130", "nvidia-dali-cuda110")}
     found = {d: v for d, v in dists.items() if v}
     if not found:
-        return Check("WARN", "DALI", "not installed", "pip install 'fastpipe[dali]' (CUDA 12) or "
+        return Check("INFO", "DALI", "not installed (optional)", "pip install 'fastpipe[dali]' (CUDA 12) or "
                      "'fastpipe[dali-cu13]' (CUDA 13) for the dali backend")
     dist, version = next(iter(found.items()))
     dali_major = dist.rsplit("cuda", 1)[1][:2].lstrip("0")
@@ -135,7 +135,7 @@ def check_pillow() -> list[Check]:
     simd = _dist_version("Pillow-SIMD") or _dist_version("pillow-simd")
     kind = f"pillow-simd {simd}" if simd else f"Pillow {PIL.__version__}"
     turbo = features.check_feature("libjpeg_turbo")
-    checks = [Check("OK" if simd else "WARN", "Pillow", kind,
+    checks = [Check("OK" if simd else "INFO", "Pillow", kind,
                     "" if simd else "optional: scripts/setup.sh --pillow-simd resizes 4-8x faster"),
               Check("OK" if turbo else "WARN", "libjpeg-turbo", "yes" if turbo else "no",
                     "" if turbo else "JPEG decode is 2-3x slower without libjpeg-turbo: rebuild Pillow against it")]
@@ -268,7 +268,8 @@ def run_doctor() -> int:
     checks = collect()
     width = max(len(c.name) for c in checks)
     for c in checks:
-        print(f"[{c.status:4s}] {c.name:<{width}}  {c.found}" + (f"\n{'':{width + 9}}fix: {c.fix}" if c.fix else ""))
+        said = "fix" if c.status in ("WARN", "FAIL") else "tip"  # an optional suggestion is no fix
+        print(f"[{c.status:4s}] {c.name:<{width}}  {c.found}" + (f"\n{'':{width + 9}}{said}: {c.fix}" if c.fix else ""))
     failed = [c for c in checks if c.status == "FAIL"]
     print(f"\n{len(failed)} problem(s)" if failed else "\nno problems that stop fastpipe")
     return 1 if failed else 0

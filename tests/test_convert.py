@@ -749,6 +749,20 @@ def test_doctor_runs_and_reports(capsys):
         assert "install the driver" not in out and "no GPU on this machine" in out
 
 
+def test_doctor_gives_optional_suggestions_as_info_not_warnings(capsys):
+    """A fresh, complete install showed a WARN for pillow-simd, an optional package."""
+    from fastpipe.doctor import check_pillow, run_doctor
+
+    pillow = check_pillow()[0]
+    assert pillow.status == ("OK" if "simd" in pillow.found else "INFO")
+    run_doctor()
+    out = capsys.readouterr().out
+    for optional in ("Pillow", "DALI", "torch build"):  # pillow-simd; DALI; the CPU build where there is no GPU
+        assert f"[WARN] {optional} " not in out, out
+    if pillow.status == "INFO":
+        assert "tip: optional: scripts/setup.sh --pillow-simd" in out, out
+
+
 def test_missing_or_damaged_manifest_says_what_to_run(tmp_path):
     from fastpipe.manifest import ManifestError
 
