@@ -42,7 +42,7 @@ def test_make_loader_refuses_a_pipe():
 def test_gpu_memory_as_a_bare_number_means_gigabytes(capsys):
     assert main(["memory", "--model", "resnet18", "--image-size", "32", "--device", "cpu", "--gpu-memory", "8",
                  "--no-techniques"]) == 0
-    assert "against 8.0 GB: fits" in capsys.readouterr().out
+    assert "against 8.0 GB (planning for 92% of it): may fit" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
         main(["memory", "--gpu-memory", "8 parsecs"])
     assert e.value.code == 2 and "is not a size" in capsys.readouterr().err

@@ -233,12 +233,34 @@ def test_memory_activations_grow_with_the_batch_and_techniques_save():
     assert saves["--amp bf16"] > 0 and saves["--image-size 32"] > 0 and saves["--checkpoint-activations"] > 0
 
 
+def test_memory_figures_from_a_cpu_say_they_are_lower_bounds_where_they_stand():
+    """'largest batch that fits: 88' on a CPU read as a plan; it comes from a lower bound said on the first line."""
+    from fastpipe.train.memory import MemoryReport, format_report
+
+    config = {"model": "resnet50", "image_size": 224, "batch_size": 128, "optimizer": "sgd", "amp": "off"}
+    techniques = [{"technique": "--amp bf16", "total_mb": 4000.0, "saves_mb": 2000.0, "max_batch": 150,
+                   "activations_mb_per_image": 30.0}]
+
+    def report(where):
+        return MemoryReport(config, where, 90.0, 90.0, 90.0, 0.2, 80.0, 300.0, 8192.0, techniques)
+
+    cpu = format_report(report("cpu: saved tensors (a lower bound of the GPU figure)")).splitlines()
+    said = {line.split()[0]: line for line in cpu[1:]}
+    assert "at least 80.00 MB per image" in said["activations"] and "a GPU needs at least this" in said["total"]
+    assert "largest batch at most 90; measure on the GPU" in said["against"], said["against"]
+    assert "fits" not in said["against"].replace("DOES NOT FIT", "")
+    assert "total at least" in said["--amp"] and "largest batch at most 150" in said["--amp"]
+    gpu = format_report(report("cuda: NVIDIA H100")).splitlines()
+    said = {line.split()[0]: line for line in gpu[1:]}
+    assert "largest batch that fits: 90" in said["against"] and "at least" not in "\n".join(gpu)
+
+
 def test_memory_cli_prints_the_breakdown():
     r = subprocess.run([sys.executable, "-m", "fastpipe", "memory", "--model", "resnet18", "--image-size", "64",
                         "--device", "cpu", "--amp", "off", "--gpu-memory", "8GB", "--no-techniques"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "optimizer state" in r.stdout and "largest batch that fits" in r.stdout
+    assert "optimizer state" in r.stdout and "largest batch at most" in r.stdout  # a CPU's lower bound
     assert "measuring resnet18 at 64px" in r.stderr  # said before the seconds it takes
     lines = {ln.split()[0]: ln for ln in r.stdout.splitlines() if ln.startswith("  ") and " MB" in ln}
     mb = [float(ln.split("MB")[0].split()[-1]) for k, ln in lines.items() if k not in ("total", "against")]

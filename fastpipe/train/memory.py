@@ -44,6 +44,11 @@ class MemoryReport:
         """What the fixed part holds beyond parameters, gradients, optimizer state and buffers."""
         return self.fixed_mb - (self.params_mb + self.grads_mb + self.optimizer_mb + self.buffers_mb)
 
+    @property
+    def lower_bound(self) -> bool:
+        """Measured on a CPU: the batch-dependent figures are at least what a GPU holds, never more."""
+        return self.measured_on.startswith("cpu")
+
     def max_batch(self, budget_mb: float | None = None) -> int | None:
         budget = budget_mb or self.budget_mb
         if not budget or self.activations_mb_per_image <= 0:
@@ -53,7 +58,7 @@ class MemoryReport:
     def as_dict(self) -> dict:
         b = self.config["batch_size"]
         return {**asdict(self), "total_mb": self.total_mb(b), "activations_mb": b * self.activations_mb_per_image,
-                "max_batch": self.max_batch()}
+                "max_batch": self.max_batch(), "lower_bound": self.lower_bound}
 
 
 def optimizer_state_factor(optimizer: str, momentum: bool = True) -> int:
@@ -203,7 +208,10 @@ def _techniques(cfg: MemoryConfig, base: MemoryReport, log=None) -> list[dict]:
 
 
 def format_report(r: MemoryReport) -> str:
-    b = r.config["batch_size"]
+    """The breakdown. Measured on a CPU, every figure that depends on the activations says which way it errs, where
+    it stands: the GPU needs at least that much, so its largest batch is at most the one given."""
+    b, low = r.config["batch_size"], r.lower_bound
+    least = "at least " if low else ""
     lines = [f"{r.config['model']} at {r.config['image_size']}px, batch {b}, {r.config['optimizer']}, "
              f"amp {r.config['amp']} — measured on {r.measured_on}",
              f"  parameters         {r.params_mb:10.1f} MB",
@@ -211,20 +219,33 @@ def format_report(r: MemoryReport) -> str:
              f"  optimizer state    {r.optimizer_mb:10.1f} MB   ({r.config['optimizer']})",
              f"  buffers            {r.buffers_mb:10.1f} MB",
              f"  activations        {b * r.activations_mb_per_image:10.1f} MB   "
-             f"({r.activations_mb_per_image:.2f} MB per image)",
-             f"  other fixed        {r.other_fixed_mb:10.1f} MB   (workspace, allocator; measured)",
-             f"  total              {r.total_mb(b):10.1f} MB   (the lines above, added)"]
+             f"({least}{r.activations_mb_per_image:.2f} MB per image{'; a GPU holds more' if low else ''})",
+             f"  other fixed        {r.other_fixed_mb:10.1f} MB   "
+             + ("(saved tensors only: a GPU adds workspace and allocator rounding)" if low
+                else "(workspace, allocator; measured)"),
+             f"  total              {r.total_mb(b):10.1f} MB   "
+             + ("(the lines above, added: a GPU needs at least this)" if low else "(the lines above, added)")]
     if r.budget_mb:
-        fits = r.total_mb(b) <= r.budget_mb * SAFETY
-        lines.append(f"  against {r.budget_mb / 1024:.1f} GB: {'fits' if fits else 'DOES NOT FIT'}; largest batch "
-                     f"that fits: {r.max_batch()} (planning for {SAFETY:.0%} of the memory)")
+        lines.append(_fit_line(r, b))
     if r.techniques:
-        lines.append("  what each technique would change (same batch):")
+        lines.append("  what each technique would change (same batch" + ("; lower bounds, as above):" if low else "):"))
         for t in r.techniques:
-            mb = f", largest batch {t['max_batch']}" if t["max_batch"] is not None else ""
-            change = f"saves {t['saves_mb']:.1f} MB" if t["saves_mb"] >= 0 else f"costs {-t['saves_mb']:.1f} MB more"
-            lines.append(f"    {t['technique']:28s} total {t['total_mb']:9.1f} MB ({change}{mb})")
+            mb = f", largest batch {'at most ' if low else ''}{t['max_batch']}" if t["max_batch"] is not None else ""
+            change = f"saves {'about ' if low else ''}{t['saves_mb']:.1f} MB" if t["saves_mb"] >= 0 else \
+                f"costs {'about ' if low else ''}{-t['saves_mb']:.1f} MB more"
+            lines.append(f"    {t['technique']:28s} total {least}{t['total_mb']:9.1f} MB ({change}{mb})")
     return "\n".join(lines)
+
+
+def _fit_line(r: MemoryReport, b: int) -> str:
+    """Whether batch b fits the budget, and the largest batch that does; from a lower bound, what can be said."""
+    over = r.total_mb(b) > r.budget_mb * SAFETY
+    against = f"  against {r.budget_mb / 1024:.1f} GB (planning for {SAFETY:.0%} of it): "
+    if not r.lower_bound:
+        return against + f"{'DOES NOT FIT' if over else 'fits'}; largest batch that fits: {r.max_batch()}"
+    return against + (f"{'DOES NOT FIT, even at this lower bound' if over else 'may fit (needs at least the total)'}"
+                      f"; largest batch at most {r.max_batch()}; measure on the GPU (`fastpipe memory` there, or "
+                      f"`fastpipe train --auto-batch`)")
 
 
 def find_max_batch(cfg: MemoryConfig, limit: int = 4096) -> int:
