@@ -8,3 +8,12 @@ def make_loader(out, backend: str = "torch", **settings):
     from fastpipe.loaders import make_loader as _make
 
     return _make(out, backend, **settings)
+
+
+def __getattr__(name: str):
+    """fastpipe.Predictor (fastpipe.predict.predictor), imported on first use: it needs torch."""
+    if name == "Predictor":
+        from fastpipe.predict.predictor import Predictor
+
+        return Predictor
+    raise AttributeError(f"module 'fastpipe' has no attribute {name!r}")

@@ -194,6 +194,7 @@ def _class_items(walk: _Walk, path: Path, label: str | None, split: str | None, 
 def files_below(root: Path) -> tuple[list[str], list[Rejection], int]:
     """Every file below `root` whatever the folders are (paths relative to it), by the walk's rules: the
     rejections it makes, and the count of hidden and system files ignored."""
-    walk = _Walk(root, None)
-    walk.folder(root)
+    walk = _Walk(root, None)  # root itself counts as entered: its entries are walked here
+    for e in sorted(os.scandir(root), key=lambda e: e.name):
+        walk.entry(root / e.name, e.name)
     return [walk.rel(p) for p in walk.files], walk.rejections, walk.ignored

@@ -33,10 +33,10 @@ class Workers:
                                             initargs=(initializer, initargs))
         self.executor.submit(int)  # the processes start now (while the main process hashes), not at the first image
 
-    def imap(self, fn, items, chunksize: int = 1, pixels: list[int] | None = None):
-        """fn(item) for each item, in order, `chunksize` items a task; WorkerDied if a worker process dies.
-        `pixels` (each item's image size) is for pools that reserve memory per task (onray.py): processes on one
-        machine share its memory."""
+    def imap(self, fn, items, chunksize: int = 1, pixels: list[int] | None = None, ahead: int = AHEAD):
+        """fn(item) for each item, in order, `chunksize` items a task, `ahead` tasks queued per worker; WorkerDied if
+        a worker process dies. `pixels` (each item's image size) is for pools that reserve memory per task
+        (onray.py): processes on one machine share its memory."""
         items = list(items)
         chunks = iter([items[k : k + chunksize] for k in range(0, len(items), chunksize)])
         pending: collections.deque = collections.deque()
@@ -50,7 +50,7 @@ class Workers:
             except BrokenProcessPool as e:  # a worker died before this chunk could be queued
                 raise WorkerDied(_died([c for c, _ in pending] + [chunk])) from e
 
-        for _ in range(AHEAD * self.count):
+        for _ in range(max(ahead, 1) * self.count):
             submit()
         while pending:
             future = pending[0][1]

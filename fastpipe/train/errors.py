@@ -33,7 +33,7 @@ def write_errors(run: Path, errors: list[dict], shards, classes) -> None:
         w.writerow([r, f"{e['confidence']:.4f}", *_names(e, classes), e["source"] or "", e["shard"], e["sample"]])
     atomic_write_text(run / "errors.csv", buf.getvalue())
     if shards is not None and errors:
-        _grid(run / "errors.jpg", errors, shards, classes)
+        error_sheet(run / "errors.jpg", errors, lambda e: shards.sample(e["id"]).image, classes)
 
 
 def _clip(text: str, n: int, keep_end: bool = False) -> str:
@@ -43,7 +43,9 @@ def _clip(text: str, n: int, keep_end: bool = False) -> str:
     return "…" + text[-(n - 1):] if keep_end else text[: n - 1] + "…"
 
 
-def _grid(path: Path, errors: list[dict], shards, classes) -> None:
+def error_sheet(path: Path, errors: list[dict], image_of, classes) -> None:
+    """The errors as a contact sheet: each image (`image_of(error)`: its stored JPEG) with its true and predicted
+    class, the confidence and the source file."""
     cols = min(COLS, len(errors))  # a few mistakes: a sheet as wide as they are, not a mostly empty one
     rows = -(-len(errors) // cols)
     sheet = Image.new("RGB", (cols * CELL, rows * (CELL + CAPTION)), (30, 30, 30))
@@ -51,7 +53,7 @@ def _grid(path: Path, errors: list[dict], shards, classes) -> None:
     for n, e in enumerate(errors):
         x, y = (n % cols) * CELL, (n // cols) * (CELL + CAPTION)
         try:
-            im = Image.open(io.BytesIO(shards.sample(e["id"]).image)).convert("RGB")
+            im = Image.open(io.BytesIO(image_of(e))).convert("RGB")
             im.thumbnail((CELL, CELL))
             sheet.paste(im, (x + (CELL - im.width) // 2, y + (CELL - im.height) // 2))
         except (OSError, ValueError):

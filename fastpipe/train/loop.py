@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from fastpipe.errors import FastpipeError
 from fastpipe.train.config import TrainConfig
+from fastpipe.train.models import plain_names
 from fastpipe.train.stop import StopRequest
 
 
@@ -91,6 +92,7 @@ class Trainer:
     checkpoint: object = None  # checkpoint(epoch, progress, loader): the session's mid-epoch save
     log_step: object = None  # log_step(record): the session's metrics.jsonl
     normalization: str = ""  # the inputs' mean and std (options.normalize_text), kept with the weights
+    card: dict | None = None  # how to use the weights on new photos (modelcard.py), kept with them
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=amp_dtype(self.cfg.amp), enabled=self.cfg.amp != "off")
@@ -252,78 +254,22 @@ class Trainer:
                 self.stop.signal_name = self.stop.signal_name or "SIGTERM"
         self.stop.check()
 
-    @torch.no_grad()
     def evaluate(self, loader, k: int, errors: int = 32) -> dict:
-        """Accuracy, loss, per-class accuracy and confusion (multi-label: mAP, per-class AP/precision/recall/F1
-        and exact match); with a loader that yields keys, also the `errors` most confidently misclassified samples
-        (what to look at first when hunting label mix-ups)."""
-        self.model.eval()
-        confusion = torch.zeros(k * k, dtype=torch.int64, device=self.device)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        candidates, scores = [], []  # worst of each batch; multi-label: every (probs, targets) for the figures
-        for batch in loader:
-            x, y = batch[0], batch[1]
-            if len(y) == 0:
-                continue
-            with self.autocast():
-                out = self.model(x).float()
-            if y.is_floating_point():  # multi-label: multi-hot targets
-                loss_sum += nn.functional.binary_cross_entropy_with_logits(out, y, reduction="sum").double() / k
-                probs = out.sigmoid()
-                scores.append((probs, y))
-                conf, pred = ((probs - y).abs() * ((probs >= 0.5) != y.bool())).max(1)
-            else:
-                loss_sum += nn.functional.cross_entropy(out, y, reduction="sum").double()
-                conf, pred = out.softmax(1).max(1)
-                confusion += torch.bincount(y * k + pred, minlength=k * k)
-                conf = torch.where(pred != y, conf, -1.0)
-            if len(batch) == 3:  # on the device, no sync: the top few of this batch
-                top = torch.topk(torch.where(conf > 0, conf, -1.0), min(errors, len(y)))
-                candidates.append((top.values, top.indices, pred[top.indices], y[top.indices], batch[2]))
-        result = self._figures(confusion, loss_sum, scores, k)
-        if candidates:
-            result["errors"] = self._worst(candidates, errors)
-        return result
+        """The validation figures (evaluation.py)."""
+        from fastpipe.train.evaluation import evaluate
 
-    def _figures(self, confusion, loss_sum, scores, k: int) -> dict:
-        if self.dist.world > 1:
-            dist.all_reduce(confusion)
-            dist.all_reduce(loss_sum)
-        if scores:
-            from fastpipe.train.metrics import multilabel_metrics
+        return evaluate(self, loader, k, errors)
 
-            probs, targets = (torch.cat(t) for t in zip(*scores))
-            if self.dist.world > 1:  # every rank's scores, for one threshold and AP over the whole val set
-                parts = [None] * self.dist.world
-                dist.all_gather_object(parts, (probs.cpu(), targets.cpu()))
-                probs, targets = torch.cat([p for p, _ in parts]), torch.cat([t for _, t in parts])
-            total = len(targets)
-            return {"val_loss": float(loss_sum) / max(total, 1), "val_samples": total,
-                    **multilabel_metrics(probs.cpu(), targets.cpu())}
-        cm = confusion.view(k, k).cpu()  # host sync, once per evaluation
-        total = int(cm.sum())
-        per_class = (cm.diag().double() / cm.sum(1).clamp(min=1).double()).tolist()
-        return {"val_acc": float(cm.diag().sum()) / max(total, 1), "val_loss": float(loss_sum) / max(total, 1),
-                "per_class_acc": per_class, "confusion": cm.tolist(), "val_samples": total}
-
-    def _worst(self, candidates: list, errors: int) -> list[dict]:
-        found = [{"confidence": c, "predicted": p, "label": t, "key": str(keys[i]), "source": keys[i].source,
-                  "shard": keys[i].shard, "sample": keys[i].key, "id": keys[i].id}
-                 for vals, idx, pred, lab, keys in candidates
-                 for c, i, p, t in zip(vals.tolist(), idx.tolist(), pred.tolist(), lab.tolist()) if c > 0]
-        if self.dist.world > 1:
-            everyone = [None] * self.dist.world
-            dist.all_gather_object(everyone, found)
-            found = [e for part in everyone for e in part]
-        return sorted(found, key=lambda e: -e["confidence"])[:errors]
+    def bare_model(self) -> nn.Module:
+        model = self.model.module if hasattr(self.model, "module") else self.model  # DDP's wrapper
+        return getattr(model, "_orig_mod", model)  # torch.compile's wrapper
 
     def state(self, epoch: int) -> dict:
-        model = self.model.module if hasattr(self.model, "module") else self.model
-        model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
-        return {"epoch": epoch, "model": model.state_dict(), "optimizer": self.opt.state_dict(),
+        return {"epoch": epoch, "model": self.bare_model().state_dict(), "optimizer": self.opt.state_dict(),
                 "scheduler": self.sched.state_dict(), "scaler": self.scaler.state_dict(),
                 "global_step": self.global_step, "step_samples": self._step_samples(),
                 "normalize": self.normalization,  # what --pretrained of these weights normalises with
+                "inference": self.card,
                 "rng_cpu": torch.get_rng_state(),
                 "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
@@ -331,8 +277,8 @@ class Trainer:
         return self.dist.world * self.cfg.batch_size * self.cfg.accum_steps
 
     def restore(self, state: dict) -> None:
-        model = self.model.module if hasattr(self.model, "module") else self.model
-        getattr(model, "_orig_mod", model).load_state_dict(state["model"])
+        model = self.bare_model()
+        model.load_state_dict(plain_names(state["model"], model))
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])

@@ -33,6 +33,14 @@ def best_threshold(probs: torch.Tensor, targets: torch.Tensor) -> float:
     return round(THRESHOLDS[int(torch.tensor(scores).argmax())].item(), 2)
 
 
+def class_thresholds(probs: torch.Tensor, targets: torch.Tensor) -> list[float]:
+    """Each class's threshold (0.05 .. 0.95) with its best F1 on these scores; 0.5 for a class with no positive
+    here (no score can tell its best). What `fastpipe predict` decides each class with."""
+    f1 = torch.stack([_prf((probs >= t).float(), targets)[2] for t in THRESHOLDS.tolist()])  # (T, K)
+    best = THRESHOLDS[f1.argmax(0)]  # the first (lowest) of equal F1s
+    return [round(t, 2) if n > 0 else 0.5 for t, n in zip(best.tolist(), targets.sum(0).tolist())]
+
+
 def multilabel_metrics(probs: torch.Tensor, targets: torch.Tensor, threshold: float | None = None) -> dict:
     """probs, targets: (N, K) on the CPU. With threshold None it is chosen here (on these val scores)."""
     threshold = best_threshold(probs, targets) if threshold is None else threshold
@@ -46,4 +54,4 @@ def multilabel_metrics(probs: torch.Tensor, targets: torch.Tensor, threshold: fl
             "val_macro_f1": float(f1.mean()), "threshold": threshold,
             "per_class_ap": [None if x != x else round(x, 4) for x in ap.tolist()],
             "per_class_precision": precision.tolist(), "per_class_recall": recall.tolist(),
-            "per_class_f1": f1.tolist()}
+            "per_class_f1": f1.tolist(), "per_class_threshold": class_thresholds(probs, targets)}

@@ -16,17 +16,28 @@ SUPPORTED = ("resnet18", "resnet34", "resnet50", "resnet101", "mobilenet_v3_smal
              "efficientnet_b0", "efficientnet_b1", "convnext_tiny", "vit_b_16", "regnet_y_400mf")
 
 
-class Checkpointed(nn.Module):
-    """Recompute this block's activations in the backward pass instead of keeping them."""
+def _checkpointed(block: nn.Module) -> None:
+    """Recompute this block's activations in the backward pass instead of keeping them. The block's own forward is
+    wrapped in place, not the block in another module, so the weights keep torchvision's names: a checkpoint of a
+    run trained this way loads into a plain torchvision model."""
+    plain = block.forward
 
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
+    def forward(x):
+        if block.training and torch.is_grad_enabled():
+            return checkpoint(plain, x, use_reentrant=False)
+        return plain(x)
 
-    def forward(self, x):
-        if self.training and torch.is_grad_enabled():
-            return checkpoint(self.block, x, use_reentrant=False)
-        return self.block(x)
+    block.forward = forward
+
+
+def plain_names(state: dict, model: nn.Module) -> dict:
+    """A state dict with the names of this model: checkpoints of runs with --checkpoint-activations made before
+    the stages were wrapped in place carry a '.block' in the stages' names."""
+    own = model.state_dict()
+    if all(k in own for k in state):
+        return state
+    return {(k.replace(".block.", ".", 1) if k not in own and k.replace(".block.", ".", 1) in own else k): v
+            for k, v in state.items()}
 
 
 def _deep_blocks(model: nn.Module) -> tuple[nn.Module, list[str]]:
@@ -50,7 +61,7 @@ def _deep_blocks(model: nn.Module) -> tuple[nn.Module, list[str]]:
 def checkpoint_deep_stages(model: nn.Module) -> list[str]:
     parent, names = _deep_blocks(model)
     for name in names:
-        setattr(parent, name, Checkpointed(getattr(parent, name)))
+        _checkpointed(getattr(parent, name))
     return names
 
 

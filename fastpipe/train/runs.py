@@ -8,7 +8,8 @@ and accuracy; `fastpipe runs` lists them side by side.
     runs/NAME/curves.png      loss / accuracy / throughput per epoch
     runs/NAME/confusion.png   the last validation confusion matrix (single-label)
     runs/NAME/classes.png     per-class accuracy, or per-class AP and F1 for multi-label data
-    runs/NAME/last.pt         checkpoint (written atomically), for --resume
+    runs/NAME/last.pt         checkpoint after the last epoch or step saved (written atomically), for --resume
+    runs/NAME/best.pt         the weights of the epoch with the best validation accuracy (multi-label: mAP)
     runs/NAME/events.out.tfevents.*  the same scalars and pictures for TensorBoard, when it is installed (board.py)
 """
 
@@ -98,9 +99,25 @@ class Run:
         self.board = open_board(self.path, purge_step)
 
     def save(self, state: dict) -> None:
-        tmp = self.checkpoint_path.with_suffix(".pt.tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, self.checkpoint_path)  # a kill mid-write leaves the previous checkpoint intact
+        _save(state, self.checkpoint_path)
+
+    @property
+    def best_path(self) -> Path:
+        return self.path / "best.pt"
+
+    def keep_best(self, m: dict, trainer) -> bool:
+        """best.pt: the weights of the epoch with the best validation figure so far (accuracy; mAP for multi-label;
+        the earlier of equal ones), with the model card and, for multi-label data, each class's threshold of best F1
+        on that validation pass."""
+        key = "val_map" if "val_map" in m else "val_acc"
+        earlier = [e[key] for e in self.epochs() if key in e and e.get("epoch", -1) < m["epoch"]]
+        if key not in m or (earlier and m[key] <= max(earlier)):
+            return False
+        card = trainer.card and {**trainer.card, "thresholds": m.get("per_class_threshold")}
+        state = {"kind": "best", "epoch": m["epoch"], "metric": {key: m[key]}, "inference": card,
+                 "model": trainer.bare_model().state_dict(), "normalize": trainer.normalization}
+        _save(state, self.best_path)
+        return True
 
     def load(self) -> dict | None:
         """The checkpoint, loaded with weights_only=True: tensors and plain data only, so a crafted file cannot run
@@ -139,6 +156,12 @@ class Run:
             self.board.pictures(self.path)
             self.board.close()
             self.board = None
+
+
+def _save(state: dict, path: Path) -> None:
+    tmp = path.with_suffix(".pt.tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # a kill mid-write leaves the previous file intact
 
 
 def default_run_dir(model: str) -> Path:

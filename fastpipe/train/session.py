@@ -71,7 +71,8 @@ def versions() -> dict:
 def _loader_cfg(cfg: TrainConfig, split: str, size: int, batch: int) -> LoaderConfig:
     train = split == "train"
     return LoaderConfig(backend=cfg.backend, split=split, batch_size=batch, image_size=size, device=cfg.device,
-                        num_workers=cfg.workers, seed=cfg.seed, balance=cfg.balance and train, normalize=cfg.normalize,
+                        num_workers=cfg.workers, threads=cfg.threads, seed=cfg.seed, balance=cfg.balance and train,
+                        normalize=cfg.normalize,
                         augment=cfg.augment if train else None, label_smoothing=cfg.label_smoothing)
 
 
@@ -172,7 +173,7 @@ def train(cfg: TrainConfig) -> Path:
     opt = make_optimizer(model, cfg)
     trainer = Trainer(cfg, model, opt, make_schedule(opt, cfg, steps),
                       torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16"), _criterion(cfg, manifest, device),
-                      device, d, normalization=normalize_text(mean, std))
+                      device, d, normalization=normalize_text(mean, std), card=_card(cfg, manifest, mean, std))
     start = Start()
     if cfg.resume and (state := run.load()) is not None:
         start = _restore(trainer, state, run)
@@ -187,7 +188,7 @@ def train(cfg: TrainConfig) -> Path:
         run.start({"train": asdict(cfg), "versions": versions(), "device": _device_info(device),
                    "world_size": d.world, "data": {"root": manifest.location, "classes": list(manifest.classes),
                                                    "mean": manifest.mean, "std": manifest.std},
-                   "normalization": {"setting": cfg.normalize, "mean": mean, "std": std},
+                   "normalization": {"setting": cfg.normalize, "mean": mean, "std": std}, "inference": trainer.card,
                    "loader": train_loader(image_size_for_epoch(cfg, 0)).describe()})
         run.truncate_metrics(start.epoch, trainer.global_step)
         run.open_board(trainer.global_step + 1 if cfg.resume else None)
@@ -195,6 +196,16 @@ def train(cfg: TrainConfig) -> Path:
     trainer.checkpoint = lambda epoch, progress, loader: _save_mid(trainer, run, epoch, progress, loader)
     with trainer.stop:  # SIGINT/SIGTERM from here on: the current step finishes, a checkpoint, then a clean exit
         return _epochs(trainer, run, manifest, train_loader, val_loader, start, d)
+
+
+def _card(cfg: TrainConfig, manifest, mean, std) -> dict:
+    """How to use the weights on new photos: the data set's image step and the val transform (modelcard.py)."""
+    from fastpipe.train import modelcard
+
+    val = LoaderConfig()  # the val transform: the loaders' defaults, which training uses
+    return modelcard.make(cfg.model, manifest.classes, manifest.task, image_size_for_epoch(cfg, cfg.epochs - 1),
+                          mean, std, cfg.amp, modelcard.convert_settings(manifest.settings, manifest.foreign),
+                          val.val_crop, val.cpu_decoder)
 
 
 @dataclass(frozen=True)
@@ -269,6 +280,8 @@ def _epochs(trainer: Trainer, run: Run, manifest, train_loader, val_loader, star
             if val_loader is not None:
                 m.update(trainer.evaluate(val_loader, manifest.num_classes))
                 errors = m.pop("errors", None)
+                if d.main:
+                    run.keep_best(m, trainer)
             if d.main:
                 run.log(m)
                 _report(cfg, m, epoch, size)

@@ -1,0 +1,74 @@
+"""`fastpipe predict` and `fastpipe export` settings (no torch here: building the CLI stays light)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastpipe.errors import ConfigError
+from fastpipe.loaders.config import LoaderConfig
+from fastpipe.options import check, opt, parse_procs
+from fastpipe.urls import check_location
+
+BACKENDS = ("torch", "dali", "nvjpeg")
+FORMATS = ("csv", "jsonl")
+WEIGHTS = ("best", "last")
+EXPORT_SUFFIXES = (".onnx", ".pt2")
+
+
+def _model_path(text) -> str:
+    """RUN (a run folder), a checkpoint in one, or an exported model (.onnx, .pt2) on this machine."""
+    text = str(text)
+    check_location(text, "model")
+    if "://" in text:
+        raise ConfigError(f"model {text}: a run folder or an exported model on this machine (copy it here first)")
+    return text
+
+
+@dataclass(frozen=True)
+class PredictConfig:
+    model: str = opt(None, "a run folder (runs/NAME), or a model exported with `fastpipe export` (.onnx, .pt2)",
+                     positional=True, flag="MODEL", parse=_model_path)
+    src: list = opt([], "photos: a folder (class folders give labels), a path[,label] list, photo files, or a "
+                        "store URL (s3://bucket/photos)", positional=True, flag="SRC", nargs="+")
+    out: str = opt("predictions.csv", "where the predictions go (the report and pictures beside it when SRC has "
+                                      "labels)")
+    format: str | None = opt(None, "csv or jsonl (default: from --out's extension, else csv)", choices=FORMATS)
+    weights: str = opt("best", "a run's best.pt (best validation figure) or last.pt", choices=WEIGHTS)
+    top_k: int = opt(3, "classes listed per photo, most probable first", low=1, high=1000)
+    backend: str = opt("torch", "loader backend that prepares the batches: torch, dali or nvjpeg", choices=BACKENDS)
+    device: str | None = opt(None, "cuda, cpu (default: cuda when available)")
+    batch_size: int = opt(64, "photos per batch", low=1, high=65536)
+    workers: int | None = opt(None, "processes converting the photos: a number (0 = in this process) or auto "
+                                    "(every core)", parse=parse_procs, low=0, high=1024)
+    max_file_size: int = opt(1024**3, "refuse larger files (bytes)", low=1, cli=False)
+
+    def __post_init__(self):
+        check(self)
+        if not self.src:
+            raise ConfigError("predict needs photos: a folder, a list, photo files or a store URL after the model")
+
+    @property
+    def out_format(self) -> str:
+        return self.format or ("jsonl" if Path(self.out).suffix.lower() in (".jsonl", ".json") else "csv")
+
+    def loader(self, card: dict) -> LoaderConfig:
+        """The validation transform the model was trained with, batched by the chosen backend."""
+        return LoaderConfig(backend=self.backend, split="val", batch_size=self.batch_size,
+                            image_size=card["image_size"], val_crop=card["val_crop"], device=self.device,
+                            num_workers=0, normalize=False, with_keys=True,
+                            **({"cpu_decoder": card["cpu_decoder"]} if self.backend == "torch" else {}))
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    run: str = opt(None, "the run folder (runs/NAME)", positional=True, flag="RUN", parse=_model_path)
+    out: str = opt(None, "the file to write: NAME.onnx (ONNX) or NAME.pt2 (torch.export); NAME.EXT.json beside it",
+                   positional=True, flag="OUT")
+    weights: str = opt("best", "the run's best.pt (best validation figure) or last.pt", choices=WEIGHTS)
+
+    def __post_init__(self):
+        check(self)
+        if Path(self.out).suffix.lower() not in EXPORT_SUFFIXES:
+            raise ConfigError(f"export OUT {self.out}: the format comes from the extension, .onnx (ONNX) or .pt2 "
+                              f"(torch.export); e.g. model.onnx")

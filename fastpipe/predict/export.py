@@ -1,0 +1,105 @@
+"""`fastpipe export RUN OUT`: the trained model as one file that runs without fastpipe or the training code.
+
+OUT.onnx (ONNX, checked by running it in ONNX Runtime) or OUT.pt2 (torch.export). Either takes a uint8 RGB NCHW
+batch at the run's image size, named `images`, and gives `probabilities` (softmax; per-class sigmoid for a
+multi-label model): the normalisation is inside the graph, so no consumer can get mean and std wrong. Beside it,
+OUT.EXT.json holds what a consumer needs to prepare a photo (the model card: stored short side, resize and crop,
+class names, label mode, thresholds) and the file's sha256, which `fastpipe predict` checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fastpipe import __version__
+from fastpipe.errors import DataError, MissingDependency
+from fastpipe.predict.config import ExportConfig
+from fastpipe.predict.model import EXPORT_FORMAT, EXPORT_VERSION, file_sha256, sidecar, trained_network
+from fastpipe.util import write_json_atomic
+
+MAX_BATCH = 4096
+TOLERANCE = 1e-4  # probabilities: the exported graph against the network in PyTorch
+
+
+class Packaged(nn.Module):
+    """uint8 NCHW RGB → probabilities, the normalisation of the loaders' device step inside (the same float32
+    operations, mean and std scaled by 255, std at least one grey level)."""
+
+    def __init__(self, net: nn.Module, card: dict):
+        super().__init__()
+        self.net, self.multilabel = net, card["task"] == "multilabel"
+        self.register_buffer("mean", torch.tensor(card["mean"]).view(1, 3, 1, 1) * 255)
+        self.register_buffer("std", torch.tensor(card["std"]).view(1, 3, 1, 1).clamp(min=1 / 255) * 255)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        out = self.net((images.float() - self.mean) / self.std)
+        return out.sigmoid() if self.multilabel else out.softmax(1)
+
+
+def export(cfg: ExportConfig, log=print) -> Path:
+    net, card, source, notes = trained_network(cfg.run, cfg.weights)
+    for note in notes:
+        log(f"note: {note}")
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    model = Packaged(net, card).eval().requires_grad_(False)  # a consumer's outputs carry no autograd graph
+    size = card["image_size"]
+    example = torch.randint(0, 256, (2, 3, size, size), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    shapes = {"images": {0: torch.export.Dim("batch", min=1, max=MAX_BATCH)}}
+    tmp = out.with_name(f".{out.stem}.tmp{out.suffix}")  # torch.export wants its own extension
+    try:
+        if out.suffix.lower() == ".onnx":
+            _onnx(model, example, shapes, tmp)
+        else:
+            torch.export.save(torch.export.export(model, (example,), dynamic_shapes=shapes), str(tmp))
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    write_json_atomic(sidecar(out), _record(card, out, source))
+    log(f"exported {source} to {out} (input: uint8 RGB NCHW, {size}x{size}; output: probabilities of "
+        f"{len(card['classes'])} classes) and {sidecar(out).name}")
+    return out
+
+
+def _onnx(model: nn.Module, example: torch.Tensor, shapes: dict, tmp: Path) -> None:
+    try:
+        import onnx  # noqa: F401  (torch.onnx needs it, and onnxscript)
+        import onnxruntime as ort
+        import onnxscript  # noqa: F401
+    except ImportError:
+        raise MissingDependency(".onnx export needs ONNX, onnxscript and ONNX Runtime: pip install "
+                                "'fastpipe[export]' (or export to a .pt2 file, which needs only torch)") from None
+    with contextlib.redirect_stdout(io.StringIO()):  # the exporter's progress lines
+        torch.onnx.export(model, (example,), str(tmp), input_names=["images"], output_names=["probabilities"],
+                          dynamic_shapes=shapes, dynamo=True, external_data=False)
+    session = ort.InferenceSession(str(tmp), providers=["CPUExecutionProvider"])
+    got = torch.from_numpy(session.run(None, {"images": example.numpy()})[0])
+    with torch.no_grad():
+        want = model(example)
+    if not torch.allclose(got, want, atol=TOLERANCE, rtol=0):
+        raise DataError(f"the ONNX graph gives other probabilities than the model (by up to "
+                        f"{(got - want).abs().max().item():.2g}): this model does not export to ONNX faithfully; "
+                        f"export to a .pt2 file instead")
+
+
+def _record(card: dict, out: Path, source: str) -> dict:
+    size, c = card["image_size"], card.get("convert")
+    steps = ([f"apply the EXIF orientation, flatten transparency onto white, convert to RGB; resize so the shorter "
+              f"side is {c['short_side']} px (never up), Lanczos; encode as JPEG quality {c['quality']}, 4:2:0"]
+             if c else ["decode the photo as it is (the model was trained on shards written by another tool)"])
+    steps += [f"resize the shorter side to {size / card['val_crop']:.1f} px and take the centre {size}x{size} "
+              f"(bilinear, antialiased), as uint8 RGB, channels first"]
+    return {"inference": card, "export": {
+        "format": EXPORT_FORMAT, "version": EXPORT_VERSION, "file": out.name, "sha256": file_sha256(out),
+        "from": source, "fastpipe": __version__,
+        "input": {"name": "images", "dtype": "uint8", "layout": "NCHW", "channels": "RGB",
+                  "shape": ["batch", 3, size, size]},
+        "output": {"name": "probabilities", "activation": "sigmoid" if card["task"] == "multilabel" else "softmax",
+                   "classes": card["classes"]},
+        "prepare": steps}}

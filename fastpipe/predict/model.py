@@ -1,0 +1,232 @@
+"""A trained model ready to score photos, wherever it comes from: a run folder (best.pt or last.pt), a checkpoint,
+or a file `fastpipe export` wrote (ONNX, run by ONNX Runtime; .pt2, by torch.export). Each takes the same input,
+a uint8 RGB NCHW batch at the card's image size, and gives probabilities (softmax, or per-class sigmoid for
+multi-label models), so that every runtime answers alike.
+
+Everything read here is hostile until checked: checkpoints are loaded with weights_only (no code runs), every
+model card field is checked (modelcard.py), an exported file must match the hash its JSON records.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fastpipe.errors import ConfigError, MissingDependency
+from fastpipe.loaders.base import DeviceStep
+from fastpipe.train import modelcard
+from fastpipe.train.loop import amp_dtype
+from fastpipe.train.models import build_model, plain_names
+from fastpipe.train.runs import Run, RunError
+
+EXPORT_FORMAT, EXPORT_VERSION = "fastpipe-export", 1
+
+
+@dataclass
+class Model:
+    """`scores(x)`: uint8 NCHW on `device` → probabilities (N, K), float32 on the CPU."""
+
+    card: dict
+    device: torch.device
+    source: str  # what was loaded, for messages and the report
+    run: object = None  # the callable: uint8 NCHW batch → probabilities
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def classes(self) -> list[str]:
+        return self.card["classes"]
+
+    @property
+    def multilabel(self) -> bool:
+        return self.card["task"] == "multilabel"
+
+    def thresholds(self) -> list[float]:
+        return self.card.get("thresholds") or [0.5] * len(self.classes)
+
+    def normalized(self, x: torch.Tensor) -> torch.Tensor:
+        """The float input the network sees for a uint8 NCHW batch (normalised as in training's validation)."""
+        return DeviceStep(x.device, self.card["mean"], self.card["std"], normalize=True).finish(x)
+
+    @torch.no_grad()
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(x)
+
+
+def load_model(path: str | Path, weights: str = "best", device: str | None = None) -> Model:
+    """A run folder, a checkpoint (.pt), or an exported model (.onnx / .pt2 with its .json beside it)."""
+    path = Path(path)
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if path.is_dir() or (path.suffix.lower() == ".pt" and path.is_file()):
+        return _from_weights(*trained_network(path, weights), dev)
+    if not path.is_file():
+        raise ConfigError(f"model {path}: no such run folder or file (a run folder runs/NAME, or a .onnx/.pt2 "
+                          f"file written by `fastpipe export`)")
+    suffix = path.suffix.lower()
+    if suffix == ".onnx":
+        return _onnx(path, dev)
+    if suffix == ".pt2":
+        return _exported_program(path, dev)
+    raise ConfigError(f"model {path}: expected a run folder, a checkpoint (.pt) or an exported model (.onnx, .pt2)")
+
+
+# -- a run's weights ----------------------------------------------------------------------------------------------
+def _weights_file(run: Run, weights: str) -> tuple[Path, list[str]]:
+    notes = []
+    file = run.best_path if weights == "best" else run.checkpoint_path
+    if weights == "best" and not file.exists() and run.checkpoint_path.exists():
+        file = run.checkpoint_path
+        notes.append(f"{run.path} has no best.pt (trained without a validation split, or before fastpipe kept "
+                     f"one): using last.pt, the weights of its last saved epoch")
+    if not file.exists():
+        raise RunError(f"{run.path}: not a fastpipe run folder with weights (no {file.name}); give the folder "
+                       f"`fastpipe train --out` wrote, or an exported model")
+    return file, notes
+
+
+def load_checkpoint(file: Path) -> dict:
+    """A checkpoint's contents, loaded safely, or one error naming the file."""
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many types for damage (pickle, zip, EOF): all mean the same here
+        raise RunError(f"{file} cannot be loaded ({type(e).__name__}: {str(e)[:200]}): a truncated, damaged or "
+                       f"foreign checkpoint") from None
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        raise RunError(f"{file} is not a fastpipe checkpoint (expected a dict with 'model' weights)")
+    return state
+
+
+def trained_network(path: str | Path, weights: str = "best") -> tuple[torch.nn.Module, dict, str, list[str]]:
+    """(network on the CPU in eval mode, card, the file loaded, notes) of a run folder or a checkpoint."""
+    path = Path(path)
+    if path.is_dir():
+        file, notes = _weights_file(Run(path), weights)
+        return (*_checkpoint(file, path), str(file), notes)
+    if path.suffix.lower() != ".pt" or not path.is_file():
+        raise ConfigError(f"{path}: give a run folder (runs/NAME) or one of its checkpoints (best.pt, last.pt)")
+    return (*_checkpoint(path, path.parent), str(path), [])
+
+
+def _checkpoint(file: Path, run_dir: Path) -> tuple[torch.nn.Module, dict]:
+    state = load_checkpoint(file)
+    card = state.get("inference")
+    if card is None:
+        from fastpipe.predict.older import card_of_older_run
+
+        card = card_of_older_run(run_dir)
+    card = modelcard.check(card, str(file))
+    if card["task"] == "multilabel" and state.get("kind") != "best":
+        card = {**card, "thresholds": _last_thresholds(Run(run_dir), state.get("epoch"))}
+    return _network(card, state["model"], file).eval(), card
+
+
+def _from_weights(net: torch.nn.Module, card: dict, source: str, notes: list[str], device: torch.device) -> Model:
+    net = net.to(device)
+    if device.type == "cuda":
+        net = net.to(memory_format=torch.channels_last)
+    amp = card["amp"] if device.type == "cuda" else ("bf16" if card["amp"] == "bf16" else "off")
+    model = Model(card, device, source, notes=notes)
+    multilabel = card["task"] == "multilabel"
+
+    def run(x):
+        with torch.autocast(device.type, dtype=amp_dtype(amp), enabled=amp != "off"):
+            out = net(model.normalized(x)).float()
+        return (out.sigmoid() if multilabel else out.softmax(1)).cpu()
+
+    model.run = run
+    return model
+
+
+def _network(card: dict, weights: dict, file: Path) -> torch.nn.Module:
+    """The architecture the card names, with these weights; a checkpoint that does not fit is one error."""
+    try:
+        net = build_model(card["model"], len(card["classes"]), card["image_size"])
+    except ConfigError as e:
+        raise RunError(f"{file}: {e}") from None
+    try:
+        net.load_state_dict(plain_names(weights, net))
+    except (RuntimeError, KeyError, TypeError, ValueError) as e:
+        raise RunError(f"{file}: its weights do not fit a {card['model']} of {len(card['classes'])} classes "
+                       f"({' '.join(str(e).split())[:200]}): an edited or another model's checkpoint") from None
+    return net
+
+
+def _last_thresholds(run: Run, epoch) -> list[float] | None:
+    """last.pt of a multi-label run: the per-class thresholds of its epoch's validation pass (None: 0.5 each)."""
+    for m in reversed(run.epochs() if run.path.is_dir() else []):
+        if m.get("epoch") == epoch and isinstance(m.get("per_class_threshold"), list):
+            return m["per_class_threshold"]
+    return None
+
+
+# -- exported files -----------------------------------------------------------------------------------------------
+def sidecar(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_sidecar(path: Path) -> dict:
+    """The exported model's card, from the JSON beside it, checked against the file it describes."""
+    meta_file = sidecar(path)
+    try:
+        meta = json.loads(meta_file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: {meta_file.name} is missing beside it (what `fastpipe export` writes with the "
+                          f"model: classes, image size, preparation); copy it along with the model") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise RunError(f"{meta_file} is damaged ({type(e).__name__}): export the model again") from None
+    export = meta.get("export") if isinstance(meta, dict) else None
+    if not isinstance(export, dict) or export.get("format") != EXPORT_FORMAT:
+        raise RunError(f"{meta_file}: not a fastpipe export record; export the model again")
+    if export.get("version") != EXPORT_VERSION:
+        raise RunError(f"{meta_file}: an export of format version {str(export.get('version'))[:20]!r}; this "
+                       f"fastpipe reads version {EXPORT_VERSION}: export the model again with this fastpipe")
+    if export.get("sha256") != file_sha256(path):
+        raise RunError(f"{path} is not the file {meta_file.name} describes (its sha256 differs): a replaced or "
+                       f"damaged model; export it again")
+    return modelcard.check(meta.get("inference"), str(meta_file))
+
+
+def _onnx(path: Path, device: torch.device) -> Model:
+    card = read_sidecar(path)
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise MissingDependency("an .onnx model runs with ONNX Runtime: pip install 'fastpipe[export]'") from None
+    providers = ["CPUExecutionProvider"]
+    if device.type == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers():
+        providers.insert(0, "CUDAExecutionProvider")
+    try:
+        session = ort.InferenceSession(str(path), providers=providers)
+    except Exception as e:  # ONNX Runtime's errors have no common base: every one means the file is not usable
+        raise RunError(f"{path}: ONNX Runtime cannot load it ({type(e).__name__}: {str(e)[:200]})") from None
+    name = session.get_inputs()[0].name
+
+    def run(x):
+        return torch.from_numpy(session.run(None, {name: x.contiguous().cpu().numpy()})[0]).float()
+
+    return Model(card, device, str(path), run)
+
+
+def _exported_program(path: Path, device: torch.device) -> Model:
+    card = read_sidecar(path)
+    try:
+        net = torch.export.load(str(path)).module()
+    except Exception as e:  # damage shows as many error types
+        raise RunError(f"{path}: torch.export cannot load it ({type(e).__name__}: {str(e)[:200]})") from None
+    net = net.to(device)
+
+    def run(x):
+        return net(x.contiguous()).float().cpu()
+
+    return Model(card, device, str(path), run)

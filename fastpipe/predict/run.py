@@ -1,0 +1,132 @@
+"""`fastpipe predict`: a trained model's classes for new photos, prepared exactly as its training photos were.
+
+Each photo goes through the converter's image step with the data set's settings (photos.py) in worker processes,
+and the results are written, a chunk at a time, as a shard of a temporary data set: the bytes a shard of the
+training data would hold. The run's validation loader (any backend: torch, dali, nvjpeg) reads it with the
+validation transform recorded in the model card, so the model sees what validation showed it, photo for photo. The
+workers convert the next chunk while the model scores this one.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from fastpipe.convert import images
+from fastpipe.convert.workers import Workers
+from fastpipe.convert.writer import ShardWriter
+from fastpipe.loaders import make_loader_from
+from fastpipe.manifest import Components, Manifest, SplitInfo, Stats
+from fastpipe.predict import photos
+from fastpipe.predict.config import PredictConfig
+from fastpipe.predict.model import Model, load_model
+from fastpipe.predict.output import Output, Row
+from fastpipe.shardformat import encode_label
+
+
+@dataclass
+class Result:
+    rows: int
+    rejected: int
+    out: Path
+    lines: list[str]
+
+
+def predict(cfg: PredictConfig, log=print) -> Result:
+    model = load_model(cfg.model, cfg.weights, cfg.device)
+    for note in model.notes:
+        log(f"note: {note}")
+    found = photos.find(cfg.src, model.classes, model.multilabel, cfg.max_file_size)
+    for note in found.notes:
+        log(f"note: {note}")
+    log(f"model: {model.source} ({model.card['model']}, {len(model.classes)} classes, {model.card['image_size']} px)"
+        f"; {len(found.items)} photos")
+    output = Output(Path(cfg.out), cfg.out_format, model, cfg.top_k)
+    with output, tqdm(total=len(found.items), unit="photo", desc="predict") as bar:
+        for rows in _chunks(found, model, cfg):
+            output.write(rows)
+            bar.update(len(rows))
+        output.write([Row(r.path, None, None, r.reason, r.detail) for r in found.rejections])
+    lines = output.finish()
+    return Result(output.count, output.rejected, Path(cfg.out), lines)
+
+
+def chunk_size(batch_size: int) -> int:
+    """Photos per temporary shard: enough batches that making a loader is a small share of the work."""
+    return max(512, 8 * batch_size)
+
+
+def _chunks(found: photos.Photos, model: Model, cfg: PredictConfig):
+    """The rows of every photo, a chunk at a time, in SRC's order."""
+    size, items = chunk_size(cfg.batch_size), found.items
+    prepared = _prepared(found, model, cfg, size)
+    try:
+        for start in range(0, len(items), size):
+            part = items[start : start + size]
+            yield _predict_chunk(part, [next(prepared) for _ in part], model, cfg)
+    finally:
+        prepared.close()
+
+
+def _prepared(found: photos.Photos, model: Model, cfg: PredictConfig, ahead: int):
+    """Each photo as a shard would hold it (bytes), or its rejection; in order, from worker processes."""
+    initargs = (photos.settings_of(model.card), cfg.max_file_size, found.remote)
+    photos.init_worker(*initargs)
+    workers = photos.workers_for(cfg.workers)
+    where = [p.where for p in found.items]
+    if workers <= 1:
+        yield from map(photos.prepare_one, where)
+        return
+    pool = Workers(workers, photos.init_worker, initargs)
+    try:
+        yield from pool.imap(photos.prepare_one, where, ahead=max(2, ahead // workers))
+    finally:
+        pool.terminate()
+
+
+def _predict_chunk(part, prepared: list, model: Model, cfg: PredictConfig) -> list[Row]:
+    rows: list[Row | None] = [None] * len(part)
+    for i, (p, r) in enumerate(zip(part, prepared)):
+        if isinstance(r, images.Rejected):
+            rows[i] = Row(p.name, p.label, None, r.reason, r.detail)
+    good = [i for i, r in enumerate(prepared) if isinstance(r, bytes)]
+    if good:
+        with tempfile.TemporaryDirectory(prefix="fastpipe-predict-") as tmp:
+            manifest = _chunk_data_set(Path(tmp), [(i, prepared[i]) for i in good], model)
+            skipped = _score(manifest, model, cfg, part, prepared, rows)
+    for i in good:
+        if rows[i] is None:  # the loader could not decode the prepared photo
+            why = next((s for s in skipped if f"{i:08d}" in s), "the validation transform could not decode it")
+            rows[i] = Row(part[i].name, part[i].label, None, "corrupt", why)
+    return rows
+
+
+def _score(manifest: Manifest, model: Model, cfg: PredictConfig, part, prepared, rows) -> list[str]:
+    loader = make_loader_from(manifest, cfg.loader(model.card))
+    try:
+        for x, _, keys in loader:
+            for key, p in zip(keys, model.scores(x).tolist()):
+                i = int(key.key)
+                rows[i] = Row(part[i].name, part[i].label, p, image=prepared[i])
+        return list(loader.stats.skipped_keys)
+    finally:
+        loader.close()
+
+
+def _chunk_data_set(folder: Path, samples: list[tuple[int, bytes]], model: Model) -> Manifest:
+    """One val shard of the prepared photos (keys: their place in the chunk), and its manifest."""
+    k = len(model.classes)
+    label = () if model.multilabel else 0  # the loader's labels are not used: SRC's are kept with the rows
+    writer = ShardWriter(folder, "val", 1 << 62)
+    for i, jpeg in samples:
+        writer.write(f"{i:08d}", {"jpg": jpeg, **encode_label(label, k)})
+    shard = writer.finish()
+    counts = (0,) * k if model.multilabel else (len(samples),) + (0,) * (k - 1)
+    convert = model.card.get("convert") or {}
+    return Manifest(tuple(model.classes), {"val": SplitInfo((shard,), counts)}, Stats.zero(),
+                    {"short_side": convert.get("short_side")} if convert else {},
+                    Components(label="labels", meta=None) if model.multilabel else Components(meta=None),
+                    folder, task=model.card["task"])

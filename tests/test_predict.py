@@ -1,0 +1,330 @@
+"""From a trained run to predictions on new photos: `fastpipe predict` gives, photo for photo, what the run's own
+validation pass gives over the shards (the same pixels, so the same classes and probabilities), with every runtime
+(the run's weights, ONNX, torch.export, the Python API); bad input is one line."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import COLORS, photo
+from PIL import Image
+
+from fastpipe.cli import main
+from fastpipe.manifest import load
+
+TRAIN = dict(model="resnet18", batch_size=8, image_size=32, workers=0, device="cpu", epochs=2, optimizer="adamw",
+             lr=1e-3, log_every=4)
+
+
+def rotated(color, seed: int) -> bytes:
+    """A JPEG stored sideways with EXIF orientation 6 (the camera was turned): the converter turns it upright."""
+    im = Image.open(io.BytesIO(photo(color, (90, 120), seed=seed)))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    im.save(buf, "JPEG", quality=92, exif=exif)
+    return buf.getvalue()
+
+
+def odd_photos(root: Path, per_class: int = 14) -> Path:
+    """Class folders whose photos come in every form users have: RGB, grey, CMYK JPEGs, RGBA PNGs, EXIF-rotated."""
+    for k, name in enumerate(COLORS):
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            seed, kind = k * 100 + i, i % 5
+            if kind == 0:
+                data, ext = rotated(COLORS[name], seed), "jpg"
+            else:
+                mode, fmt = (("RGB", "JPEG"), ("L", "JPEG"), ("CMYK", "JPEG"), ("RGBA", "PNG"))[kind - 1]
+                data, ext = photo(COLORS[name], (120, 90), seed=seed, fmt=fmt, mode=mode), fmt.lower()
+            (root / name / f"p{i:02d}.{ext}").write_bytes(data)
+    return root
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(photos, shards, run): a run trained on photos of every mode, with a val split."""
+    from fastpipe.convert.driver import ShardConfig, shard
+    from fastpipe.train.config import TrainConfig
+    from fastpipe.train.session import train
+
+    base = tmp_path_factory.mktemp("predict")
+    src = odd_photos(base / "photos")
+    shard(ShardConfig(src, base / "shards", short_side=48, val_fraction=0.3, workers=0))
+    run = train(TrainConfig(data=str(base / "shards"), out=str(base / "run"), **TRAIN))
+    return src, base / "shards", run
+
+
+def val_sources(shards: Path) -> list[tuple[str, str]]:
+    """(source path, class) of every val sample, as the shards record them."""
+    from fastpipe import make_loader
+
+    classes = load(shards).classes
+    loader = make_loader(shards, split="val", batch_size=64, image_size=32, device="cpu", num_workers=0,
+                         normalize=False, with_keys=True)
+    return [(k.source, classes[y]) for _, labels, keys in loader for k, y in zip(keys, labels.tolist())]
+
+
+def validation_pass(shards: Path, run: Path, backend: str = "torch") -> dict[str, list[float]]:
+    """The run's validation over the shards, per source photo: the val loader training uses, best.pt's network."""
+    from fastpipe import make_loader
+    from fastpipe.options import normalize_text
+    from fastpipe.train.models import build_model
+
+    ck = torch.load(run / "best.pt", weights_only=True)
+    card = ck["inference"]
+    net = build_model(card["model"], len(card["classes"]), card["image_size"])
+    net.load_state_dict(ck["model"])
+    net.eval()
+    loader = make_loader(shards, backend, split="val", batch_size=8, image_size=card["image_size"], device="cpu",
+                         num_workers=0, normalize=normalize_text(card["mean"], card["std"]), with_keys=True)
+    out = {}
+    with torch.no_grad():
+        for x, _, keys in loader:
+            probs = net(x).float().softmax(1)
+            out.update({k.source: p for k, p in zip(keys, probs.tolist())})
+    return out
+
+
+def read_rows(path: Path) -> list[dict]:
+    if path.suffix == ".jsonl":
+        return [json.loads(line) for line in path.read_text().splitlines()]
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_predictions_on_the_val_photos_are_what_validation_gave_photo_for_photo(trained, tmp_path, capsys):
+    src, shards, run = trained
+    pairs = val_sources(shards)
+    listed = src.parent / "val-labels.csv"  # paths relative to the list's folder
+    listed.write_text("path,label\n" + "".join(f"photos/{p},{c}\n" for p, c in pairs))
+    assert main(["predict", str(run), str(listed), "--out", str(tmp_path / "p.jsonl"), "--workers", "2"]) == 0
+    rows = {r["path"].removeprefix("photos/"): r for r in read_rows(tmp_path / "p.jsonl")}
+    want = validation_pass(shards, run)
+    assert set(rows) == set(want) and len(rows) == len(pairs)
+    kinds = {Path(p).suffix for p in rows} | {Image.open(src / p).mode for p in rows}
+    assert {".png", "L", "CMYK", "RGBA"} <= kinds  # the odd photos are among those compared
+    for path, probs in want.items():
+        got = dict(rows[path]["top_k"])
+        assert rows[path]["predicted"] == max(got, key=got.get)
+        classes = load(shards).classes
+        assert max(abs(got[c] - p) for c, p in zip(classes, probs)) < 1e-5, path
+    # the same accuracy as the run recorded for best.pt's epoch, to the last photo
+    best = torch.load(run / "best.pt", weights_only=True)
+    recorded = next(m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                    if m.get("kind") == "epoch" and m["epoch"] == best["epoch"])
+    report = json.loads((tmp_path / "p.report.json").read_text())
+    assert report["val_acc"] == recorded["val_acc"] == best["metric"]["val_acc"]
+    assert (tmp_path / "p.confusion.png").stat().st_size > 3000 and (tmp_path / "p.classes.png").exists()
+    assert f"accuracy {recorded['val_acc']:.4f} on {len(pairs)} labelled photos" in capsys.readouterr().out
+
+
+def test_best_pt_is_the_epoch_of_the_best_validation_accuracy(trained):
+    _, _, run = trained
+    epochs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    accs = [(m["val_acc"], -m["epoch"]) for m in epochs if m.get("kind") == "epoch"]
+    best = torch.load(run / "best.pt", weights_only=True)
+    assert best["epoch"] == -max(accs)[1] and best["kind"] == "best"
+    assert set(best) == {"kind", "epoch", "metric", "inference", "model", "normalize"}
+
+
+def test_the_weights_load_into_plain_torchvision_in_three_lines(trained):
+    """What the README shows: the checkpoint's weights and card, no fastpipe needed to use them."""
+    import torchvision
+
+    _, _, run = trained
+    ck = torch.load(run / "best.pt", weights_only=True)
+    model = torchvision.models.get_model(ck["inference"]["model"], num_classes=len(ck["inference"]["classes"]))
+    model.load_state_dict(ck["model"])
+    last = torch.load(run / "last.pt", weights_only=True)
+    assert {"epoch", "model", "optimizer", "scheduler", "scaler", "inference", "normalize"} <= set(last)
+
+
+def test_activation_checkpointing_keeps_torchvisions_weight_names():
+    from fastpipe.train.models import build_model
+
+    plain = build_model("resnet18", 3).state_dict()
+    assert list(build_model("resnet18", 3, checkpoint_activations=True).state_dict()) == list(plain)
+
+
+@pytest.mark.parametrize("suffix", [".onnx", ".pt2"])
+def test_an_exported_model_gives_the_runs_answers_without_fastpipe(trained, tmp_path, suffix):
+    src, shards, run = trained
+    if suffix == ".onnx":
+        pytest.importorskip("onnxruntime")
+    out = tmp_path / f"leaves{suffix}"
+    assert main(["export", str(run), str(out)]) == 0
+    meta = json.loads((tmp_path / f"leaves{suffix}.json").read_text())
+    assert meta["export"]["input"]["dtype"] == "uint8" and meta["inference"]["classes"] == list(load(shards).classes)
+    assert main(["predict", str(run), str(src), "--out", str(tmp_path / "a.jsonl")]) == 0
+    assert main(["predict", str(out), str(src), "--out", str(tmp_path / "b.jsonl")]) == 0
+    a, b = read_rows(tmp_path / "a.jsonl"), read_rows(tmp_path / "b.jsonl")
+    assert [r["predicted"] for r in a] == [r["predicted"] for r in b] and len(a) == 42
+    assert max(abs(x - y) for ra, rb in zip(a, b) for (_, x), (_, y) in zip(ra["top_k"], rb["top_k"])) < 1e-4
+    # a consumer without fastpipe: uint8 NCHW in, probabilities out, batch of one included
+    x = torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8)
+    if suffix == ".onnx":
+        import onnxruntime as ort
+
+        probs = ort.InferenceSession(str(out)).run(None, {"images": x.numpy()})[0]
+    else:
+        probs = torch.export.load(str(out)).module()(x).numpy()
+    assert probs.shape == (1, 3) and abs(probs.sum() - 1) < 1e-5
+
+
+def test_the_python_api_gives_the_clis_scores_and_the_loaders_input(trained, tmp_path):
+    from fastpipe import Predictor, make_loader
+
+    src, shards, run = trained
+    p = Predictor(run, device="cpu")
+    files = sorted(src.rglob("*.*"))[:6]
+    assert main(["predict", str(run), *map(str, files), "--out", str(tmp_path / "c.jsonl"), "--workers", "0"]) == 0
+    cli = read_rows(tmp_path / "c.jsonl")
+    api = p.predict([str(f) for f in files[:3]] + [f.read_bytes() for f in files[3:]])
+    assert [a.label for a in api] == [r["predicted"] for r in cli]
+    assert all(abs(a.probability - r["probability"]) < 1e-6 for a, r in zip(api, cli))
+    # transform(): the very tensor the validation loader hands the model for that photo
+    path, _ = val_sources(shards)[0]
+    card = p.card
+    loader = make_loader(shards, split="val", batch_size=64, image_size=32, device="cpu", num_workers=0,
+                         normalize=(card["mean"], card["std"]), with_keys=True)
+    x, _, keys = next(iter(loader))
+    row = [k.source for k in keys].index(path)
+    assert torch.equal(p.transform(str(src / path)), x[row : row + 1])
+
+
+def test_photos_without_labels_and_broken_ones_each_get_a_row(trained, tmp_path, capsys):
+    src, _, run = trained
+    new = tmp_path / "new"
+    (new / "day1").mkdir(parents=True)
+    for i, f in enumerate(sorted(src.rglob("*.jpg"))[:4]):
+        shutil.copy(f, new / "day1" / f"{i}.jpg")
+    (new / "broken.jpg").write_bytes(photo(COLORS["red"])[:300])
+    (new / "notes.txt").write_text("not a photo")
+    assert main(["predict", str(run), str(new), "--out", str(tmp_path / "n.csv")]) == 0
+    rows = {r["path"]: r for r in read_rows(tmp_path / "n.csv")}
+    assert set(rows) == {"broken.jpg", "notes.txt", *(f"day1/{i}.jpg" for i in range(4))}
+    assert rows["broken.jpg"]["status"] == "truncated" and rows["notes.txt"]["status"] == "not-an-image"
+    assert all(rows[f"day1/{i}.jpg"]["predicted"] in COLORS for i in range(4))
+    out = capsys.readouterr()
+    assert "6 photos: 4 predicted, 2 could not be used" in out.out and "not the model's classes" in out.err
+    assert not (tmp_path / "n.report.json").exists()  # no labels, no accuracy
+
+
+def test_last_weights_and_a_run_without_best_pt(trained, tmp_path, capsys):
+    src, _, run = trained
+    copy = tmp_path / "old-run"
+    shutil.copytree(run, copy)
+    (copy / "best.pt").unlink()
+    assert main(["predict", str(copy), str(src / "red"), "--out", str(tmp_path / "o.csv")]) == 0
+    assert "no best.pt" in capsys.readouterr().err and len(read_rows(tmp_path / "o.csv")) == 14
+
+
+def test_a_multilabel_run_predicts_label_sets_at_its_own_thresholds(tmp_path):
+    from test_multilabel import make_list
+
+    from fastpipe.convert.driver import ShardConfig, shard
+    from fastpipe.train.config import TrainConfig
+    from fastpipe.train.session import train
+
+    (tmp_path / "src").mkdir()
+    listed = make_list(tmp_path / "src", n=60)
+    shard(ShardConfig(listed, tmp_path / "shards", short_side=48, val_fraction=0.25, workers=0))
+    run = train(TrainConfig(data=str(tmp_path / "shards"), out=str(tmp_path / "run"), **{**TRAIN, "epochs": 1}))
+    card = torch.load(run / "best.pt", weights_only=True)["inference"]
+    assert len(card["thresholds"]) == 3 and all(0.05 <= t <= 0.95 for t in card["thresholds"])
+    assert main(["predict", str(run), str(listed), "--out", str(tmp_path / "m.jsonl")]) == 0
+    rows = read_rows(tmp_path / "m.jsonl")
+    assert len(rows) == 60 and set(rows[0]["scores"]) == set(card["classes"])
+    for r in rows:
+        assert r["predicted"] == [c for c, t in zip(card["classes"], card["thresholds"]) if r["scores"][c] >= t]
+    report = json.loads((tmp_path / "m.report.json").read_text())
+    assert 0 <= report["val_map"] <= 1 and report["thresholds"] == card["thresholds"]
+
+
+def _edited(run: Path, tmp_path: Path, change) -> Path:
+    copy = tmp_path / "edited"
+    shutil.copytree(run, copy)
+    ck = torch.load(copy / "best.pt", weights_only=True)
+    change(ck)
+    torch.save(ck, copy / "best.pt")
+    return copy
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("not-a-run", "not a fastpipe run folder"),
+    ("nan-size", "image_size is 'nan'"),
+    ("foreign", "is not a fastpipe checkpoint"),
+    ("other-shapes", "its weights do not fit a resnet18 of 3 classes"),
+    ("future", "reads version 1: upgrade fastpipe"),
+    ("empty-src", "no files found to predict"),
+    ("credentials", "credentials in a URL are refused"),
+])
+def test_bad_input_is_one_line_and_exit_2(trained, tmp_path, capsys, case, expected):
+    src, _, run = trained
+    (tmp_path / "empty").mkdir()
+    model, photos = str(run), str(src)
+    if case == "not-a-run":
+        model = str(tmp_path / "empty")
+    elif case == "nan-size":
+        model = str(_edited(run, tmp_path, lambda ck: ck["inference"].update(image_size=float("nan"))))
+    elif case == "foreign":
+        torch.save({"weights": torch.zeros(3)}, tmp_path / "foreign.pt")
+        model = str(tmp_path / "foreign.pt")
+    elif case == "other-shapes":
+        model = str(_edited(run, tmp_path, lambda ck: ck["model"].update({"fc.bias": torch.zeros(5)})))
+    elif case == "future":
+        model = str(_edited(run, tmp_path, lambda ck: ck["inference"].update(version=99)))
+    elif case == "empty-src":
+        photos = str(tmp_path / "empty")
+    else:
+        photos = "s3://KEY:pw-hunter2@bucket/photos"
+    assert main(["predict", model, photos, "--out", str(tmp_path / "x.csv")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and expected in err and "Traceback" not in err and "hunter2" not in err, err
+
+
+def test_an_export_that_was_replaced_or_is_of_another_version_is_refused(trained, tmp_path, capsys):
+    src, _, run = trained
+    out = tmp_path / "m.pt2"
+    assert main(["export", str(run), str(out)]) == 0
+    meta_file = tmp_path / "m.pt2.json"
+    meta = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps({**meta, "export": {**meta["export"], "version": 7}}))
+    assert main(["predict", str(out), str(src / "red"), "--out", str(tmp_path / "a.csv")]) == 2
+    assert "export the model again with this fastpipe" in capsys.readouterr().err
+    meta_file.write_text(json.dumps(meta))
+    out.write_bytes(out.read_bytes() + b"\0")
+    assert main(["predict", str(out), str(src / "red"), "--out", str(tmp_path / "a.csv")]) == 2
+    assert "sha256 differs" in capsys.readouterr().err
+
+
+def test_a_photo_over_the_pixel_limit_is_a_row_with_its_reason(trained, tmp_path):
+    _, _, run = trained
+    big = tmp_path / "big.jpg"
+    data = bytearray(photo(COLORS["red"]))
+    sof = data.index(b"\xff\xc0")
+    data[sof + 5 : sof + 9] = (60000).to_bytes(2, "big") * 2  # the frame header claims 60000 x 60000
+    big.write_bytes(bytes(data))
+    assert main(["predict", str(run), str(big), "--out", str(tmp_path / "b.csv")]) == 0
+    (row,) = read_rows(tmp_path / "b.csv")
+    assert row["status"] == "too-large" and row["predicted"] == ""
+
+
+@pytest.mark.dali
+def test_dali_batches_give_what_a_dali_validation_pass_gives(trained, tmp_path):
+    src, shards, run = trained
+    listed = src.parent / "val-list.csv"
+    listed.write_text("".join(f"photos/{p},{c}\n" for p, c in val_sources(shards)))
+    assert main(["predict", str(run), str(listed), "--out", str(tmp_path / "d.jsonl"), "--backend", "dali"]) == 0
+    rows = {r["path"].removeprefix("photos/"): dict(r["top_k"]) for r in read_rows(tmp_path / "d.jsonl")}
+    classes = load(shards).classes
+    want = validation_pass(shards, run, "dali")
+    assert set(rows) == set(want)
+    assert max(abs(rows[k][c] - p) for k, ps in want.items() for c, p in zip(classes, ps)) < 1e-5
