@@ -10,6 +10,10 @@ the same connect and read timeout, so that a read that stalls fails in `timeout`
 Also here, as each client reports them: which errors are worth another try (`transient`), which mean the
 credentials were refused or missing (`refused`), and a read held to a size limit whatever the server sends
 (`cat_bounded`).
+
+An http(s) client follows a redirect only within the origin it asked (scheme, host and port), at most
+MAX_REDIRECTS hops: a server that sends a request elsewhere (`CrossOriginRedirect`) would have another host serve the
+photos, lists, manifests and shards that this one was trusted for, and would learn what is read.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import os
 import types
 
 from fastpipe.errors import ConfigError, DataError, MissingDependency
+from fastpipe.urls import redact
 
 PROTOCOL_EXTRAS = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs", "abfss": "adlfs",
                    "http": "aiohttp", "https": "aiohttp"}
@@ -28,6 +33,7 @@ FAMILY = {"s3a": "s3", "gcs": "gs", "abfs": "az", "abfss": "az", "https": "http"
 GCSFS_RETRYING = ("_request", "_get_file_request", "_get_file_concurrent")  # gcsfs's @retry_request methods
 STORE_VARIABLES = ("AWS_", "AZURE_", "GOOGLE_", "GCSFS_", "STORAGE_EMULATOR_HOST")  # what the clients read
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}  # 409 is S3's "operation aborted, try again"
+MAX_REDIRECTS = 5  # hops an http(s) request may take, each within its origin
 
 
 def store_environment() -> dict[str, str]:
@@ -69,7 +75,44 @@ def _aiohttp_timeout(timeout: float):
 
 
 def _http_options(opts: dict, timeout: float) -> None:
-    opts.setdefault("client_kwargs", {}).setdefault("timeout", _aiohttp_timeout(timeout))
+    client = opts.setdefault("client_kwargs", {})
+    client.setdefault("timeout", _aiohttp_timeout(timeout))
+    client["trace_configs"] = [*client.get("trace_configs", ()), _same_origin_only()]  # every request of the client
+    # aiohttp counts the redirect that fails: one more lets MAX_REDIRECTS be followed
+    opts["max_redirects"] = min(int(opts.get("max_redirects", MAX_REDIRECTS)), MAX_REDIRECTS) + 1
+
+
+class CrossOriginRedirect(DataError):
+    """A server's redirect to another origin (scheme, host, port), refused before anything is asked of it."""
+
+
+def origin(url) -> tuple[str, str, int | None]:
+    """(scheme, host, port) of a yarl URL, the port given or the scheme's own: http://h and http://h:80 are one."""
+    return (url.scheme.lower(), (url.host or "").lower(), url.port)
+
+
+def _same_origin_only():
+    """aiohttp's hook before each redirect is followed: one that leaves the origin of the URL asked raises instead
+    (aiohttp closes the answer and follows nothing), naming both URLs."""
+    import aiohttp
+    from yarl import URL
+
+    async def on_redirect(session, context, params) -> None:
+        answer = params.response.headers
+        location = answer.get("Location") or answer.get("URI") or ""
+        try:
+            target = params.url.join(URL(location))
+            same = origin(target) == origin(params.url) and target.is_absolute()
+        except ValueError:
+            target, same = location, False
+        if not same:
+            raise CrossOriginRedirect(f"{redact(str(params.url))} redirects to {redact(str(target))}, another origin "
+                                      f"(scheme, host, port): refused, redirects are followed within one origin only; "
+                                      f"give the URL the data is served from")
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_redirect.append(on_redirect)
+    return trace
 
 
 def _s3_options(opts: dict, timeout: float) -> None:
@@ -149,8 +192,9 @@ def refused(e: BaseException) -> bool:
 
 
 def brief(e: BaseException) -> str:
-    """The first line of a store's error (the Azure SDK's go on with request ids and headers)."""
-    return (str(e).strip().splitlines() or [""])[0][:200]
+    """The first line of a store's error (the Azure SDK's go on with request ids and headers); fastpipe's own verdict
+    on an answer (a redirect elsewhere: both URLs) in full."""
+    return str(e) if isinstance(e, DataError) else (str(e).strip().splitlines() or [""])[0][:200]
 
 
 def _status(e: BaseException) -> int | None:
@@ -207,6 +251,8 @@ async def _http_cat(fs, url: str, start: int | None, end: int | None, limit: int
     session = await fs.set_session()
     async with session.get(fs.encode_url(url), headers=headers, **kw) as r:
         fs._raise_not_found_for_status(r, url)
+        if r.status not in (200, 206):  # a redirect without a Location: its page is not the object
+            raise DataError(f"{redact(url)}: the server answers {r.status} {r.reason or ''}, not the object")
         if r.content_length is not None and r.content_length > limit:
             raise ObjectTooLarge(f"the server announces {r.content_length} bytes, over the limit of {limit}"
                                  + (" (it ignores Range requests)" if start is not None else ""))
@@ -229,5 +275,5 @@ def installed_protocols() -> dict[str, bool]:
             for p, m in (("s3", "s3fs"), ("gs", "gcsfs"), ("az", "adlfs"), ("http", "aiohttp"))}
 
 
-__all__ = ["PROTOCOL_EXTRAS", "ObjectTooLarge", "brief", "cat_bounded", "installed_protocols", "open_fs", "refused",
-           "store_environment", "transient"]
+__all__ = ["MAX_REDIRECTS", "PROTOCOL_EXTRAS", "CrossOriginRedirect", "ObjectTooLarge", "brief", "cat_bounded",
+           "installed_protocols", "open_fs", "origin", "refused", "store_environment", "transient"]

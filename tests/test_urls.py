@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import psutil
 import pytest
 from conftest import COLORS, make_folder, photo
 
-from fastpipe.errors import ConfigError
+from fastpipe.errors import ConfigError, DataError
 from fastpipe.loaders import make_loader
 from fastpipe.manifest import ManifestError, load
 from fastpipe.storage import RemoteError
@@ -218,3 +219,66 @@ def test_a_download_that_trickles_fails_within_its_deadline(converted, tmp_path,
         with pytest.raises(RemoteError, match=rf"{shard}"):
             Remote(url).get_many([(shard, tmp_path / "copy.tar")])
     assert time.monotonic() - start < 60
+
+
+def _served_twice(converted, tmp_path) -> Path:
+    """A site with the data set at /set and a copy at /moved/set."""
+    root = tmp_path / "site"
+    shutil.copytree(converted, root / "set")
+    shutil.copytree(converted, root / "moved" / "set")
+    return root
+
+
+@pytest.mark.parametrize("what", ["dataset.json", ".idx", ".tar"])
+def test_a_data_set_redirected_to_another_host_is_refused(converted, tmp_path, what):
+    """A server that redirects the manifest, an index or a shard's ranges to another host: the loader read its
+    samples from that host. Refused before the other host is asked anything, naming both URLs."""
+    other = Faults()
+    with (FolderServer(converted, other) as elsewhere,
+          FolderServer(converted, Faults(redirect=elsewhere, only=what)) as url,
+          pytest.raises(DataError) as e):  # a RemoteError; the loader's own DataError for a shard's ranges
+        epoch_keys(make_loader(url, split="val", cache_dir=tmp_path / "cache", with_keys=True, **KW))
+    assert re.search(rf"{url}/\S*{re.escape(what)} redirects to {elsewhere}/\S*{re.escape(what)}, another origin",
+                     str(e.value)), str(e.value)
+    assert other.answered == []
+
+
+def test_a_redirect_within_the_origin_is_followed_and_bounded(converted, tmp_path):
+    """Within one origin a redirect is followed (the same samples as from disk); an endless chain of them stops
+    after MAX_REDIRECTS hops."""
+    from fastpipe.stores import MAX_REDIRECTS
+
+    root = _served_twice(converted, tmp_path)
+    local = epoch_keys(make_loader(converted, split="val", with_keys=True, **KW))
+    with FolderServer(root, Faults(redirect="/moved", only=" /set/")) as url:
+        assert epoch_keys(make_loader(f"{url}/set", split="val", cache_dir=tmp_path / "a", with_keys=True,
+                                      **KW)) == local
+    chain = Faults(redirect="/set", only="/dataset.json")  # /set/dataset.json -> /set/set/dataset.json -> ...
+    with FolderServer(root, chain) as url, pytest.raises(RemoteError, match="TooManyRedirects"):
+        load(f"{url}/set", cache_dir=tmp_path / "b")
+    assert len(chain.answered) == MAX_REDIRECTS + 1  # the first answer and each hop followed, once: not retried
+
+
+def epoch_keys(loader) -> list[str]:
+    return [f"{s.shard}/{s.key}" for _, _, keys in loader for s in keys]
+
+
+@pytest.mark.parametrize("what", ["photos.csv", "redir.jpg"])
+def test_a_list_or_a_photo_redirected_to_another_host_is_refused(tmp_path, what):
+    """An http(s) list, or a photo it names, answered with a redirect to another host: the other host got the
+    requests and its image was written as cat/redir.jpg. The conversion stops naming both URLs; nothing of the
+    other host's is asked for or written."""
+    from fastpipe.convert.driver import ShardConfig, shard
+
+    src = make_folder(tmp_path / "photos", {"red": 3, "green": 3})
+    (src / "cat").mkdir()
+    (src / "cat" / "redir.jpg").write_bytes(photo(COLORS["blue"], seed=9))
+    rows = [f"{p.relative_to(src).as_posix()},{p.parent.name}" for p in sorted(src.rglob("*.jpg"))]
+    (src / "photos.csv").write_text("\n".join(rows) + "\n")
+    other = Faults()
+    with (FolderServer(src, other) as elsewhere, FolderServer(src, Faults(redirect=elsewhere, only=what)) as url,
+          pytest.raises(RemoteError) as e):
+        shard(ShardConfig(f"{url}/photos.csv", tmp_path / "out", short_side=32, val_fraction=0, workers=1))
+    assert re.search(rf"{url}/\S*{what} redirects to {elsewhere}/\S*{what}, another origin", str(e.value)), str(e.value)
+    assert other.answered == []
+    assert not list((tmp_path / "out").glob("*.tar"))

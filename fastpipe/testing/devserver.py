@@ -6,7 +6,7 @@ real sockets, so that remote reading is tested and measured without a network. F
 (counted over all requests, so that concurrent clients meet them too): a 503, a connection reset before any
 response, or a stall longer than the client's timeout. And two hostile servers, for every matching request: one that
 trickles its answer a byte at a time (each byte in time for the client's read timeout), one that announces a huge
-body and sends without end.
+body and sends without end; and one that redirects each matching request (to another server, or a path of its own).
 """
 
 from __future__ import annotations
@@ -33,10 +33,12 @@ class Faults:
     only: str = ""  # faults only for requests whose line ("GET /path") holds this (".tar"); latency: all
     trickle: float = 0.0  # seconds between the bytes of each matching answer
     endless: bool = False  # each matching answer: a Content-Length of a terabyte, and zeros until the client leaves
+    redirect: str = ""  # each matching GET or HEAD answers 302 to this prefix + its path ('http://other:port', '/x')
 
     def __post_init__(self):
         self.lock, self.count = threading.Lock(), 0
         self.requests = self.errors = self.resets = self.stalls = 0
+        self.answered: list[str] = []  # the request line of every request answered ("GET /set/dataset.json HTTP/1.1")
 
     def next(self, path: str = "") -> str | None:
         if self.only not in path:
@@ -64,6 +66,10 @@ class _Handler(SimpleHTTPRequestHandler):
 
     def log_message(self, *args):  # quiet
         pass
+
+    def log_request(self, code="-", size="-"):
+        with self.faults.lock:
+            self.faults.answered.append(self.requestline)
 
     def _faulted(self) -> bool:
         """Apply this request's latency and fault; True when the fault was the whole answer (a reset, a 503)."""
@@ -103,8 +109,17 @@ class _Handler(SimpleHTTPRequestHandler):
             pass
         return True
 
+    def _redirected(self) -> bool:
+        """The redirect, when this request is one for it."""
+        if not self.faults.redirect or self.faults.only not in f"{self.command} {self.path}":
+            return False
+        with self.faults.lock:
+            self.faults.requests += 1
+        self._head(302, 0, {"Location": self.faults.redirect + self.path})
+        return True
+
     def do_GET(self):
-        if self._faulted() or self._hostile():
+        if self._redirected() or self._faulted() or self._hostile():
             return
         path = Path(self.translate_path(self.path))
         if not path.is_file():
@@ -128,6 +143,8 @@ class _Handler(SimpleHTTPRequestHandler):
                 sent += n
 
     def do_HEAD(self):
+        if self._redirected():
+            return
         path = Path(self.translate_path(self.path))
         if not path.is_file():
             return self._reply(404, b"")
