@@ -370,6 +370,34 @@ def test_tensorboard_shows_every_step_once_across_resumed_invocations(converted,
     assert {"curves", "confusion", "per_class"} <= set(acc.Tags()["images"])
 
 
+def test_a_resumed_run_never_waits_on_an_event_files_name(tmp_path, monkeypatch):
+    """What a resume does with the run folder's event files (Run.open_board at the checkpoint's step + 1), with one
+    stamped in the year 2286 and one whose 'stamp' is no number: it waited for the clock to reach 2286, and raised
+    ValueError on the other. Each is named in a warning; the wait, by this clock, is a second at most."""
+    pytest.importorskip("torch.utils.tensorboard")
+    from fastpipe.errors import FastpipeWarning
+    from fastpipe.train import board
+    from fastpipe.train.runs import Run
+
+    slept = []
+
+    def sleep(seconds):  # a stand-in that never lets a test wait for the year 2286
+        slept.append(seconds)
+        assert sum(slept) <= 1.5, "waiting on a file's time stamp"
+        time.sleep(seconds)
+
+    monkeypatch.setattr(board.time, "sleep", sleep)
+    run = Run(tmp_path / "r")
+    run.start({"train": {}})
+    for name in ("events.out.tfevents.9999999999.x.1.0", "events.out.tfevents.²³.x"):
+        (tmp_path / "r" / name).write_bytes(b"")
+    with pytest.warns(FastpipeWarning, match=r"events\.out\.tfevents\.9999999999\.x\.1\.0 \(and 1 more\) sorts "
+                                             r"after this run's TensorBoard event file"):
+        run.open_board(purge_step=5)
+    run.board.close()
+    assert len(list((tmp_path / "r").glob("events.out.tfevents.*"))) == 3  # this run's file beside them
+
+
 def test_without_tensorboard_a_run_writes_no_event_files(tmp_path, monkeypatch):
     from fastpipe.train.board import open_board
 

@@ -23,6 +23,7 @@ EPOCH_TAGS = {"train_loss": "epoch/train_loss", "val_loss": "epoch/val_loss", "v
               "val_macro_f1": "epoch/val_macro_F1", "img_per_s": "epoch/images_per_s",
               "data_wait": "epoch/data_wait_share", "peak_mem_mb": "epoch/peak_memory_MB", "lr": "epoch/lr"}
 PICTURES = {"curves.png": "curves", "confusion.png": "confusion", "classes.png": "per_class"}
+PREFIX = "events.out.tfevents."  # then the second the file was opened, as 10 digits, and the host
 
 
 def open_board(folder: Path, purge_step: int | None) -> Board | None:
@@ -41,12 +42,23 @@ def open_board(folder: Path, purge_step: int | None) -> Board | None:
 
 
 def _after_earlier_files(folder: Path) -> None:
-    """TensorBoard reads a folder's event files in name order, and a name starts with the second it was opened: a
-    resumed run's file must sort after the earlier ones, or its purge marker would come before the steps it drops
-    (two invocations within one second: wait for the next)."""
-    stamps = [int(p.name.split(".")[3]) for p in folder.glob("events.out.tfevents.*") if p.name.split(".")[3].isdigit()]
-    while stamps and int(time.time()) <= max(stamps):
+    """TensorBoard reads a folder's event files in name order, and a name starts with the second it was opened
+    (events.out.tfevents.SECOND.host...): a resumed run's file must sort after the earlier ones, or its purge marker
+    would come before the steps it drops. Two invocations within one second: wait for the next second, by this
+    clock (a second at most). A name that sorts after this run's in any other way (a file stamped in the future, a
+    name that is no stamp) is never waited for: no wait would put this run's file after it; a warning names it."""
+    second = int(time.time())
+    mine = f"{PREFIX}{second:010d}."  # the start of the name SummaryWriter gives a file it opens now
+    later = sorted(p.name for p in folder.glob(PREFIX + "*") if p.name >= mine)
+    while any(n.startswith(mine) for n in later) and int(time.time()) <= second:
         time.sleep(0.05)
+    after = [n for n in later if not n.startswith(mine)]
+    if after:
+        warnings.warn(f"{folder / after[0]}" + (f" (and {len(after) - 1} more)" if len(after) > 1 else "") +
+                      " sorts after this run's TensorBoard event file, which TensorBoard reads in name order: what "
+                      "it holds is drawn over the steps logged now (not a file of this clock's time: stamped in "
+                      "the future, or not by TensorBoard); move it out of the run folder", FastpipeWarning,
+                      stacklevel=3)
 
 
 class Board:
