@@ -140,13 +140,13 @@ def test_a_task_run_again_says_so(cluster, tmp_path):
     """Retries are counted from the try each task reports (the progress record of a lost try is not waited for, so
     it may never arrive): a task whose first worker process died reports its second try, and the board counts each
     task's tries once whatever the order its records arrive in."""
-    from fastpipe.convert.onray import _Board
+    from fastpipe.convert.raycluster import Board, driver
 
     ray.init(address=cluster.address, logging_level=logging.ERROR, log_to_driver=False)
     try:
         task = ray.remote(max_retries=1)(_dies_on_its_first_try)
         assert ray.get(task.remote(str(tmp_path / "died")), timeout=TIMEOUT / 2) == 1
-        board = _Board.remote()  # the records of two tries of task 1 arrive in the wrong order
+        board = Board.remote(driver())  # the records of two tries of task 1 arrive in the wrong order
         board.started.remote(1, "node-b", 1)
         board.finished.remote(1)
         board.started.remote(1, "node-a", 0)  # the late record of the lost try: no retry more, and node-a not busy
@@ -264,6 +264,57 @@ def test_an_address_where_no_cluster_answers_is_said_at_once(data, tmp_path):
     src, kw, _ = data
     with pytest.raises(ConfigError, match=r"cannot join the Ray cluster at 127\.0\.0\.1:9: .* does not answer"):
         shard(ShardConfig(src, tmp_path / "out", ray_address="127.0.0.1:9", **kw))
+
+
+@pytest.mark.parametrize("server", ["http", "silent"])
+def test_an_address_that_answers_but_not_as_ray_is_said_in_one_line(folder, tmp_path, monkeypatch, capsys, server):
+    """RAY_ADDRESS at a port that takes connections but is not Ray (a web server; one that says nothing): Ray's
+    client waited for minutes. The run stops within --ray-timeout, in one line naming the address."""
+    import socket
+
+    from fastpipe.cli import main
+    from fastpipe.testing.devserver import FolderServer
+
+    with FolderServer(tmp_path) as web, socket.create_server(("127.0.0.1", 0)) as silent:  # silent: never answers
+        port = web.rsplit(":", 1)[1] if server == "http" else silent.getsockname()[1]
+        monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+        code = main(["shard", str(folder), str(tmp_path / "out"), "--ray", "--ray-timeout", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert re.match(rf"fastpipe shard: error: cannot join the Ray cluster at 127\.0\.0\.1:{port}: it takes "
+                    rf"connections but does not answer as a Ray cluster within 2 s", err), err
+    assert not ray.is_initialized()
+
+
+def test_the_progress_board_ends_with_the_process_that_made_it(cluster):
+    """A run killed with its process group (SIGKILL: no clean-up runs) left its progress actor's process behind. The
+    board watches the process that made it: here a stand-in process, killed while this one (the actor's owner in
+    Ray's eyes) goes on; the board ends with it."""
+    import socket
+    import subprocess
+
+    import psutil
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from fastpipe.convert.raycluster import Board
+
+    run = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    ray.init(address=cluster.address, logging_level=logging.ERROR, log_to_driver=False)
+    try:
+        here = ray.get_runtime_context().get_node_id()
+        made_by = (here, socket.gethostname(), run.pid, psutil.Process(run.pid).create_time())
+        board = Board.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote(made_by)
+        assert ray.get(board.snapshot.remote(), timeout=TIMEOUT / 2) == (0, 0)  # there, while the run lives
+        run.kill()
+        run.wait()
+        deadline = time.monotonic() + TIMEOUT / 2
+        with pytest.raises(ray.exceptions.RayActorError):
+            while time.monotonic() < deadline:
+                ray.get(board.snapshot.remote(), timeout=TIMEOUT / 2)
+                time.sleep(0.5)
+    finally:
+        run.kill()
+        ray.shutdown()
 
 
 def test_tasks_grow_to_about_a_second_of_work():

@@ -52,6 +52,8 @@ class ShardConfig:
     ray: bool = opt(False, "read, decode, resize and encode the photos as tasks on a Ray cluster ($RAY_ADDRESS or "
                            "--ray-address; else a local one of --workers CPUs); needs fastpipe[ray]")
     ray_address: str | None = opt(None, "the Ray cluster to join: its head node, e.g. 10.0.0.1:6379; implies --ray")
+    ray_timeout: float = opt(30.0, "seconds the cluster at --ray-address (or $RAY_ADDRESS) has to answer as Ray "
+                                   "before the run stops, naming it", low=1, high=3600)
 
     def settings(self) -> dict:
         """Everything that changes the output bytes (workers, overwrite and Ray don't)."""

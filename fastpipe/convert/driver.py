@@ -107,7 +107,7 @@ def _make_pool(cfg: ShardConfig, source, workers: int, initargs: tuple):
 
         settings, limit, remote, root = initargs  # each node reads the store with credentials of its own
         return RayWorkers(cfg.ray_address, cfg.workers, photos.init_worker,
-                          (settings, limit, remote and remote.without_credentials(), root))
+                          (settings, limit, remote and remote.without_credentials(), root), cfg.ray_timeout)
     return Workers(workers, photos.init_worker, initargs) if workers > 1 else None
 
 

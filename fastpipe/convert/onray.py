@@ -1,5 +1,5 @@
-"""The converter's photo work as tasks on a Ray cluster (`fastpipe shard SRC OUT --ray`): the only module that imports
-Ray (the `fastpipe[ray]` extra).
+"""The converter's photo work as tasks on a Ray cluster (`fastpipe shard SRC OUT --ray`): with raycluster.py, the only
+modules that import Ray (the `fastpipe[ray]` extra).
 
 `RayWorkers` is a pool like workers.Workers: `imap(fn, items, chunksize)` gives fn(item) for each item, in order. A few
 photos make one Ray task (`chunksize` at first, then about TASK_SECONDS of work, once results tell the photos' speed),
@@ -16,10 +16,11 @@ an image library raised) comes back as a value naming the photo, and stops the r
 retry it. A worker process or node that died on every try (a decoder that crashes on a photo, memory) is tried again
 one photo per task, so that the run stops naming the photo that crashes, and the others are converted.
 
-A small actor on this node (`_Board`) records which task runs on which node and which try of it each start was: the
-progress bar's "nodes busy" and "retried". Its records are not waited for (see _task), so the record of a try whose
-worker died at once may never arrive: a task's result also says which try it was, and the retries are counted per
-task from both. Ctrl-C cancels the tasks in flight (their workers are ended).
+A small actor on this node (raycluster.Board) records which task runs on which node and which try of it each start was:
+the progress bar's "nodes busy" and "retried". Its records are not waited for (see _task), so the record of a try whose
+worker died at once may never arrive: a task's result also says which try it was, and the retries are counted per task
+from both. Ctrl-C cancels the tasks in flight (their workers are ended); the board ends with this process however it
+ends (raycluster.py, which also joins the cluster).
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
-import logging
-import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -39,9 +38,9 @@ from PIL import features
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from fastpipe import __version__
+from fastpipe.convert.raycluster import Board, connect, driver
 from fastpipe.errors import ConfigError, DataError, FastpipeError
-from fastpipe.urls import redact
-from fastpipe.util import reuse_freed_memory, unreachable, usable_cores
+from fastpipe.util import reuse_freed_memory
 
 TASK_RETRIES = 3  # Ray's tries after the first, for a task whose worker process or node was lost
 AHEAD = 2  # tasks in flight per CPU of the cluster: one running, one ready
@@ -63,33 +62,6 @@ class _Failed:
     node: str
     message: str
     ours: bool  # a FastpipeError (a refused store, SRC missing on the node): its message says what to do
-
-
-@ray.remote(num_cpus=0)
-class _Board:
-    """Which task runs on which node, and how many times each was run again."""
-
-    def __init__(self):
-        self.running, self.starts, self.again = {}, collections.Counter(), {}
-
-    def started(self, key: int, node: str, attempt: int | None) -> None:
-        """`attempt`: which try this is, where Ray says (records of two tries may arrive in either order); else the
-        starts recorded are counted."""
-        self.starts[key] += 1
-        seen = attempt if attempt is not None else self.starts[key] - 1
-        if seen >= self.again.get(key, 0):  # not the late record of a try already superseded (its node is not busy)
-            self.running[key] = node
-        self.again[key] = max(self.again.get(key, 0), seen)
-
-    def finished(self, key: int) -> None:
-        self.running.pop(key, None)
-
-    def snapshot(self) -> tuple[int, int]:
-        """(runs again of all tasks, nodes running a task now)."""
-        return sum(self.again.values()), len(set(self.running.values()))
-
-    def runs_again(self) -> dict[int, int]:
-        return dict(self.again)
 
 
 _READY: str | None = None  # the job this worker process was set up for
@@ -136,14 +108,16 @@ def _describe(e: BaseException) -> str:
 
 
 class RayWorkers:
-    """The pool: Ray tasks on the cluster at `address` ($RAY_ADDRESS when None; else a local cluster of `cpus`)."""
+    """The pool: Ray tasks on the cluster at `address` ($RAY_ADDRESS when None; else a local cluster of `cpus`),
+    which must answer as Ray within `timeout` seconds."""
 
-    def __init__(self, address: str | None, cpus: int | None, initializer, initargs: tuple):
-        self.where, self.connected = _connect(address, cpus)
+    def __init__(self, address: str | None, cpus: int | None, initializer, initargs: tuple, timeout: float):
+        self.where, self.connected = connect(address, cpus, timeout)
         self.job, self.keys = uuid.uuid4().hex, itertools.count()
         self.initializer, self.initargs = initializer, initargs
         here = ray.get_runtime_context().get_node_id()
-        self.board = _Board.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote()
+        self.board = Board.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote(
+            driver())
         self.inflight: set = set()
         self.tasks, self.nodes_used, self.retried, self.again = 0, set(), 0, {}
         self._status, self._polled, self._polls = "", 0.0, 0
@@ -305,31 +279,6 @@ def _failure(failed: _Failed) -> DataError:
     return DataError(f"{failed.item}: converting it raised {failed.message} ({where}), where a damaged photo is a "
                      f"rejection: move the photo aside and report it (an image library or fastpipe is at fault), then "
                      f"run the same command again to resume")
-
-
-def _connect(address: str | None, cpus: int | None) -> tuple[str, bool]:
-    """(where the tasks run, whether this pool joined Ray and so leaves it at the end). A process already in a Ray
-    session (a notebook that called ray.init) keeps it."""
-    if ray.is_initialized():
-        return "the Ray session of this process", False
-    address = address or os.environ.get("RAY_ADDRESS") or None
-    quiet = {"logging_level": logging.ERROR, "log_to_driver": False}
-    problem = unreachable(address) if address and address != "auto" else None
-    if problem:  # Ray's own client would try for minutes before it gave up
-        raise ConfigError(f"cannot join the Ray cluster at {redact(address)}: {problem}. Give the head node's "
-                          f"address (--ray-address or RAY_ADDRESS; `ray status` on the head prints it)")
-    try:
-        if address:
-            ray.init(address=address, **quiet)
-            return f"cluster at {redact(address)}", True
-        n = cpus or usable_cores()
-        ray.init(num_cpus=n, include_dashboard=False, **quiet)
-        return f"a local cluster of {n} CPUs", True
-    except (ConnectionError, RuntimeError, ValueError) as e:
-        first = (str(e).strip().splitlines() or [""])[0][:300]
-        raise ConfigError(f"cannot join the Ray cluster at {redact(address or 'a local start')}: {first}. Give the "
-                          f"head node's address (--ray-address or RAY_ADDRESS; `ray status` on the head prints it)"
-                          ) from None
 
 
 __all__ = ["RayWorkers", "WorkerLost"]
