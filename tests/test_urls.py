@@ -282,3 +282,25 @@ def test_a_list_or_a_photo_redirected_to_another_host_is_refused(tmp_path, what)
     assert re.search(rf"{url}/\S*{what} redirects to {elsewhere}/\S*{what}, another origin", str(e.value)), str(e.value)
     assert other.answered == []
     assert not list((tmp_path / "out").glob("*.tar"))
+
+
+def test_a_list_over_the_row_limit_is_refused_before_a_photo_is_asked_for(tmp_path, capsys):
+    """A list of 3 million rows in a store made 3 million requests and held 1.7 GB. A list of more rows than
+    --max-rows (a million unless raised) is refused once fetched, before a row is read: one request, and memory
+    for its bytes only; on disk it is counted a MiB at a time. The message says how to convert it anyway."""
+    from fastpipe.cli import main
+    from fastpipe.convert.driver import ShardConfig, shard
+    from fastpipe.convert.sources import MAX_ROWS
+
+    (tmp_path / "photos.csv").write_bytes(b"".join(b"p%07d.jpg,cat\n" % i for i in range(MAX_ROWS + 1)))
+    faults = Faults()
+    rss = psutil.Process().memory_info().rss
+    with FolderServer(tmp_path, faults) as url, pytest.raises(DataError) as e:
+        shard(ShardConfig(f"{url}/photos.csv", tmp_path / "out", workers=1))
+    assert psutil.Process().memory_info().rss - rss < 200 << 20  # the parsed rows held 1.7 GB
+    assert str(e.value) == (f"{url}/photos.csv: more than {MAX_ROWS:,} rows, the limit for a list (each is a photo "
+                            f"to read; from a store, a request): raise --max-rows to convert a longer list")
+    assert faults.answered == ["GET /photos.csv HTTP/1.1"]
+    (tmp_path / "few.csv").write_text("a.jpg,cat\nb.jpg,cat\nc.jpg,dog\n")
+    assert main(["shard", str(tmp_path / "few.csv"), str(tmp_path / "out"), "--max-rows", "2"]) == 2
+    assert "few.csv: more than 2 rows, the limit for a list" in capsys.readouterr().err

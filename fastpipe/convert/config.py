@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastpipe.convert import images
+from fastpipe.convert.sources import MAX_ROWS
 from fastpipe.errors import ConfigError, MissingDependency
 from fastpipe.options import SEED_MAX, check, opt, parse_procs, parse_size
 from fastpipe.storage import is_url
@@ -43,6 +44,8 @@ class ShardConfig:
                                  low=1, high=1_000_000)
     max_pixels: int = opt(200_000_000, "refuse larger images (decompression-bomb guard)", low=1)
     max_file_size: int = opt(1024**3, "refuse larger files, e.g. 1GB", parse=parse_size, low=1)
+    max_rows: int = opt(MAX_ROWS, "refuse a list (SRC as a CSV/TXT file) of more rows, before any is read: each row is "
+                                  "a photo to read (from a store, a request)", low=1)
     workers: int | None = opt(None, "processes: a number (0 = in this process) or auto (every core)",
                               parse=parse_procs, low=0, high=1024)
     overwrite: bool = opt(False, "replace a conversion made with other settings (removes only files fastpipe "

@@ -8,20 +8,23 @@ from pathlib import Path
 
 from fastpipe.convert.listing import from_store
 from fastpipe.convert.lists import LIST_SUFFIXES, from_list
-from fastpipe.convert.sources import Source, from_folder
+from fastpipe.convert.sources import MAX_ROWS, Source, check_rows, from_folder
 from fastpipe.errors import ConfigError
 from fastpipe.storage import is_url
 
 
-def discover(src: str | os.PathLike, exclude=None, limit: int = 1 << 30) -> Source:
+def discover(src: str | os.PathLike, exclude=None, limit: int = 1 << 30, max_rows: int = MAX_ROWS) -> Source:
     """The items of SRC; `exclude` (the output folder or URL, when it lies inside SRC) is never entered. `limit`
-    (--max-file-size): objects in a store known from their listing to be larger are refused without being read."""
+    (--max-file-size): objects in a store known from their listing to be larger are refused without being read.
+    `max_rows` (--max-rows): a longer list is refused before its rows are read."""
     if is_url(str(src)):
-        return from_store(str(src), exclude, limit)
+        return from_store(str(src), exclude, limit, max_rows)
     src = Path(src)
     if src.is_dir():
         return from_folder(src, None if is_url(str(exclude)) else exclude)
     if src.is_file() and src.suffix.lower() in LIST_SUFFIXES:
+        with open(src, "rb") as f:  # counted a MiB at a time: a list of any size is never read whole to be refused
+            check_rows(iter(lambda: f.read(1 << 20), b""), str(src), max_rows)
         return from_list(src)
     if not src.exists():
         raise ConfigError(f"{src} does not exist")

@@ -226,7 +226,7 @@ def shard(cfg: ShardConfig) -> Summary:
     """Convert cfg.src into shards under cfg.out (resuming, skipping or refusing as needed; a URL: publish.py)."""
     cfg.validate()
     start = time.perf_counter()
-    source = discover(cfg.src, exclude=cfg.out, limit=cfg.max_file_size)
+    source = discover(cfg.src, exclude=cfg.out, limit=cfg.max_file_size, max_rows=cfg.max_rows)
     if is_url(cfg.out):
         return publish.shard_to_url(cfg, lambda staged: _shard_into(staged, source, start))
     return _shard_into(cfg, source, start)

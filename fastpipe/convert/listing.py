@@ -13,7 +13,7 @@ The photos themselves are read later, by whichever process converts them (photos
 from __future__ import annotations
 
 from fastpipe.convert.lists import LIST_SUFFIXES, from_bytes
-from fastpipe.convert.sources import Item, Rejection, Source, class_order, is_hidden, numeric_note
+from fastpipe.convert.sources import MAX_ROWS, Item, Rejection, Source, check_rows, class_order, is_hidden, numeric_note
 from fastpipe.errors import ConfigError, DataError
 from fastpipe.storage import Remote, is_url
 from fastpipe.urls import check_relative, redact
@@ -22,12 +22,13 @@ BAD_NAME = ("the object's name holds what a URL would decode or normalise (%, ?,
             "empty, '.' or '..' segment): rename it")
 
 
-def from_store(url: str, exclude=None, limit: int = 1 << 30) -> Source:
-    """The Source of a folder or a list in a store. `exclude`: OUT, when it is a folder inside SRC's."""
+def from_store(url: str, exclude=None, limit: int = 1 << 30, max_rows: int = MAX_ROWS) -> Source:
+    """The Source of a folder or a list (of at most `max_rows` rows) in a store. `exclude`: OUT, when it is a folder
+    inside SRC's."""
     url = url.rstrip("/")
     name = url.rsplit("/", 1)[-1]
     if "." in name and "." + name.rsplit(".", 1)[-1].lower() in LIST_SUFFIXES:
-        return _list(url)
+        return _list(url, max_rows)
     remote = Remote(url)
     if remote.protocol in ("http", "https"):
         raise ConfigError(f"SRC {url}: an http(s) server cannot be listed, so its photos cannot be discovered; give "
@@ -82,12 +83,15 @@ def _plain(rel: str) -> bool:
     return True
 
 
-def _list(url: str) -> Source:
-    """A list in a store: fetched whole (at most 64 MiB), rows read as lists.py reads them. Whether each row's object
-    exists is found when it is read (a missing one is rejected then): a store is not asked once per row here."""
+def _list(url: str, max_rows: int) -> Source:
+    """A list in a store: fetched whole (at most 64 MiB), its rows counted, then read as lists.py reads them. Whether
+    each row's object exists is found when it is read (a missing one is rejected then): a store is not asked once
+    per row here."""
     folder, name = url.rsplit("/", 1)
     remote = Remote(folder)
-    return from_bytes(remote.cat(name), url, folder, lambda raw: _place(folder, raw), remote=remote)
+    data = remote.cat(name)
+    check_rows([data], url, max_rows)
+    return from_bytes(data, url, folder, lambda raw: _place(folder, raw), remote=remote)
 
 
 def _place(folder: str, raw: str) -> str | Rejection:

@@ -17,6 +17,7 @@ from fastpipe.errors import DataError
 from fastpipe.urls import redact
 
 # Files and folders every photo collection carries that are not photos: ignored, and counted in the summary.
+MAX_ROWS = 1_000_000  # rows a list may have unless --max-rows says more: each is a photo read, from a store a request
 SYSTEM_NAMES = {"thumbs.db", "desktop.ini", "icon\r", "__macosx", "__pycache__", "$recycle.bin"}
 
 
@@ -54,6 +55,17 @@ class Source:
     notes: tuple[str, ...] = ()  # what the summary should tell (header row, numeric labels, ...)
     multilabel: bool = False  # items' labels are label sets, "a;b" (sorted names joined by ';', "" for none)
     remote: object = None  # storage.Remote of `root` when SRC is in a store
+
+
+def check_rows(chunks, where: str, limit: int) -> None:
+    """Refuse a list of more than `limit` rows, counted (as lines) while its bytes are read, before any row is parsed:
+    a list of 3 million rows made as many requests, and its parsed rows held gigabytes."""
+    rows = 0
+    for chunk in chunks:
+        rows += max(chunk.count(b"\n"), chunk.count(b"\r"))  # line ends of any kind: \n, \r\n or \r
+        if rows > limit:
+            raise DataError(f"{where}: more than {limit:,} rows, the limit for a list (each is a photo to read; from a "
+                            f"store, a request): raise --max-rows to convert a longer list")
 
 
 def is_hidden(name: str) -> bool:
