@@ -169,6 +169,28 @@ def check_cpu() -> Check:
                  "(num_workers=\"probe\" measures the best count for a data set and caches it)")
 
 
+def check_workers() -> Check:
+    """Whether the torch backend's loader workers are threads or processes by default here, and why."""
+    import sysconfig
+
+    from fastpipe.loaders import cpu_ops
+    from fastpipe.loaders.cpu import releases_gil
+    from fastpipe.loaders.workers import gil_enabled
+
+    if not gil_enabled():
+        return Check("OK", "loader workers", "threads: this Python runs without the GIL (free-threaded), so every "
+                     "decoder, Pillow's too, decodes in parallel in threads of the training process")
+    gil = " (this free-threaded Python runs with the GIL: a module imported asked for it, or PYTHON_GIL=1)" \
+        if sysconfig.get_config_var("Py_GIL_DISABLED") else ""
+    if releases_gil("auto"):
+        return Check("OK", "loader workers", f"threads: the JPEG decoder ({cpu_ops.active().split(';')[0]}) releases "
+                     f"the GIL, so threads of the training process decode in parallel: no worker processes, no "
+                     f"shared memory{gil} (threads=False or --threads off for processes)")
+    return Check("OK", "loader workers", f"processes: the Pillow decoder holds the GIL, threads would take turns{gil}",
+                 "pip install opencv-python-headless simplejpeg: its decoders release the GIL, and the workers become "
+                 "threads (faster, no shared memory)")
+
+
 def check_shm() -> Check:
     from fastpipe.loaders.workers import SHM, shm_free
 
@@ -178,9 +200,9 @@ def check_shm() -> Check:
     total = os.statvfs(SHM).f_blocks * os.statvfs(SHM).f_frsize
     found = f"{SHM}: {free / 2**20:,.0f} MB free of {total / 2**20:,.0f} MB"
     if free < 1024**3:
-        return Check("WARN", "shared memory", found, "loader workers pass batches through it (batch 64 at 224 px "
-                     "is 9.6 MB, several per worker): in Docker use --shm-size=2g or --ipc=host; fastpipe lowers "
-                     "its prefetch and workers to fit, at a cost in speed")
+        return Check("WARN", "shared memory", found, "loader worker processes pass batches through it (batch 64 at "
+                     "224 px is 9.6 MB, several per worker; worker threads use none): in Docker use --shm-size=2g "
+                     "or --ipc=host; fastpipe lowers its processes' prefetch and count to fit, at a cost in speed")
     return Check("OK", "shared memory", found)
 
 
@@ -260,8 +282,8 @@ def check_ray() -> Check:
 def collect() -> list[Check]:
     gpus = nvidia_smi()
     return [check_python(), *check_torch(gpus), check_driver(gpus), *check_packages(), check_dali(),
-            *check_pillow(), check_decoder(), check_cpu(), check_shm(), *check_remote(), check_tensorboard(),
-            check_ray()]
+            *check_pillow(), check_decoder(), check_cpu(), check_workers(), check_shm(), *check_remote(),
+            check_tensorboard(), check_ray()]
 
 
 def run_doctor() -> int:

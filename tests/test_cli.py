@@ -160,3 +160,18 @@ def test_boolean_settings_sweep_like_the_others():
     args = build_parser().parse_args(["bench", "d", "--pin-memory", "on,off", "--workers", "1"])
     base, sweep = split_sweep(given(args, BenchConfig))
     assert sweep == {"pin_memory": [True, False]} and base["workers"] == 1
+
+
+def test_threads_are_on_off_or_auto_and_bench_sweeps_them(capsys):
+    from fastpipe.bench.config import BenchConfig, split_sweep
+    from fastpipe.cli import build_parser, given
+    from fastpipe.train.config import TrainConfig
+
+    p = build_parser()
+    typed = [given(p.parse_args(["train", "d", "--threads", v]), TrainConfig)["threads"] for v in ("on", "off", "auto")]
+    assert typed == [True, False, None]
+    assert split_sweep(given(p.parse_args(["bench", "d", "--threads", "on,off"]), BenchConfig))[1] == {
+        "threads": [True, False]}
+    with pytest.raises(SystemExit):
+        p.parse_args(["train", "d", "--threads", "maybe"])
+    assert "--threads: 'maybe': use on, off or auto" in capsys.readouterr().err

@@ -24,6 +24,10 @@ from fastpipe.shardformat import read_index
 
 REAL = ["torch", "nvjpeg", pytest.param("dali", marks=pytest.mark.dali)]
 KW = dict(batch_size=8, image_size=48, device="cpu")
+# The torch and nvjpeg backends' workers: processes, or threads of the training process (loaders/threads.py)
+MODES = [pytest.param(False, id="processes"), pytest.param(True, id="threads")]
+REAL_MODES = [("torch", False), ("torch", True), ("nvjpeg", False), ("nvjpeg", True),
+              pytest.param("dali", None, marks=pytest.mark.dali)]
 
 
 def dominant(images: torch.Tensor, manifest) -> list[str]:
@@ -34,11 +38,11 @@ def dominant(images: torch.Tensor, manifest) -> list[str]:
     return [["red", "green", "blue"][i] for i in rgb.argmax(1).tolist()]
 
 
-@pytest.mark.parametrize("backend", REAL)
+@pytest.mark.parametrize("backend,threads", REAL_MODES)
 @pytest.mark.parametrize("split", ["train", "val"])
-def test_contract_on_every_backend(converted, backend, split):
+def test_contract_on_every_backend(converted, backend, threads, split):
     m = load(converted)
-    loader = make_loader(converted, backend, split=split, num_workers=2, **KW)
+    loader = make_loader(converted, backend, split=split, num_workers=2, threads=threads, **KW)
     batches = list(loader)
     assert len(batches) == len(loader) == batches_per_epoch(split, m.split(split).samples, 8, 1)
     seen = 0
@@ -161,25 +165,27 @@ def test_val_batches_cover_everything_once_with_equal_counts(total, world, batch
     assert len(lengths) == 1 and len(seen) == len(set(seen)) == total
 
 
-def test_simulated_ranks_yield_equal_counts_and_cover_val_once(converted):
+@pytest.mark.parametrize("threads", MODES)
+def test_simulated_ranks_yield_equal_counts_and_cover_val_once(converted, threads):
     m = load(converted)
     single = sorted(img.sum().item() for x, _ in make_loader(converted, split="val", num_workers=0, **KW)
                     for img in x)
     parts, counts = [], set()
     for rank in range(3):
-        loader = make_loader(converted, split="val", rank=rank, world_size=3, num_workers=2, **KW)
+        loader = make_loader(converted, split="val", rank=rank, world_size=3, num_workers=2, threads=threads, **KW)
         got = [x for x, _ in loader]
         counts.add(len(got))
         parts += [img.sum().item() for x in got for img in x]
-        train = make_loader(converted, split="train", rank=rank, world_size=3, num_workers=2, **KW)
+        train = make_loader(converted, split="train", rank=rank, world_size=3, num_workers=2, threads=threads, **KW)
         assert len(list(train)) == len(train) == m.split("train").samples // 24
     assert len(counts) == 1
     assert sorted(parts) == pytest.approx(single)
 
 
-def test_set_epoch_is_deterministic(converted):
+@pytest.mark.parametrize("threads", MODES)
+def test_set_epoch_is_deterministic(converted, threads):
     def epoch(e, workers=2):
-        loader = make_loader(converted, num_workers=workers, seed=5, **KW)
+        loader = make_loader(converted, num_workers=workers, threads=threads, seed=5, **KW)
         loader.set_epoch(e)
         return torch.cat([x for x, _ in loader]), torch.cat([y for _, y in loader])
 
@@ -188,8 +194,9 @@ def test_set_epoch_is_deterministic(converted):
     assert not torch.equal(a[0], c[0])
 
 
-def test_persistent_workers_see_set_epoch(converted):
-    loader = make_loader(converted, num_workers=2, seed=1, **KW)
+@pytest.mark.parametrize("threads", MODES)
+def test_persistent_workers_see_set_epoch(converted, threads):
+    loader = make_loader(converted, num_workers=2, threads=threads, seed=1, **KW)
     first = torch.cat([y for _, y in loader])
     loader.set_epoch(1)
     second = torch.cat([y for _, y in loader])
@@ -232,13 +239,15 @@ def corrupted(converted, tmp_path) -> tuple[Path, str]:
     return out, _corrupt_one_sample(out)
 
 
+WORKERS = [pytest.param(0, None, id="in-process"), pytest.param(2, False, id="processes"),
+           pytest.param(2, True, id="threads")]
+
+
 @pytest.mark.parametrize("backend", ["torch", "nvjpeg"])
-@pytest.mark.parametrize("workers", [0, 2])
-def test_corrupt_sample_is_skipped_and_counted(corrupted, backend, workers):
+@pytest.mark.parametrize("workers,threads", WORKERS)
+def test_corrupt_sample_is_skipped_and_counted(corrupted, backend, workers, threads):
     out, key = corrupted
-    # batch 1 of 67 train samples: every sample, the bad one too, is used this epoch
-    loader = make_loader(out, backend, num_workers=workers, **{**KW, "batch_size": 1, "split": "val"})
-    loader = make_loader(out, backend, num_workers=workers, **{**KW, "batch_size": 7})
+    loader = make_loader(out, backend, num_workers=workers, threads=threads, **{**KW, "batch_size": 7})
     loader.set_epoch(0)
     with pytest.warns(UserWarning, match=f"skipping sample {key} in shard train-000000.tar"):
         batches = [b for e in range(3) for b in _epoch(loader, e)]
@@ -262,30 +271,32 @@ def _epoch_skips(loader, e):
     return loader.stats.skipped
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_corrupt_sample_raises_with_its_key_not_a_worker_traceback(corrupted, workers):
+@pytest.mark.parametrize("workers,threads", WORKERS)
+def test_corrupt_sample_raises_with_its_key_not_a_worker_traceback(corrupted, workers, threads):
     from fastpipe.errors import DataError
 
     out, key = corrupted
-    loader = make_loader(out, "torch", num_workers=workers, on_error="raise", **{**KW, "batch_size": 1})
+    loader = make_loader(out, "torch", num_workers=workers, threads=threads, on_error="raise",
+                         **{**KW, "batch_size": 1})
     with pytest.raises(DataError, match=rf"sample {key} in shard train-000000.tar") as e:
         list(loader)
     assert "Traceback" not in str(e.value)
 
 
 @pytest.mark.parametrize("backend", ["torch", "nvjpeg"])
-def test_a_val_sample_that_fails_is_left_out_not_counted_twice(converted, tmp_path, backend):
+@pytest.mark.parametrize("threads", MODES)
+def test_a_val_sample_that_fails_is_left_out_not_counted_twice(converted, tmp_path, backend, threads):
     out = tmp_path / "bad"
     shutil.copytree(converted, out)
     key = _corrupt_one_sample(out, "val")
-    loader = make_loader(out, backend, split="val", num_workers=2, **KW)
+    loader = make_loader(out, backend, split="val", num_workers=2, threads=threads, **KW)
     with pytest.warns(UserWarning, match=f"skipping sample {key}"):
         seen = sum(len(y) for _, y in loader)
     assert seen == load(out).splits["val"].samples - 1 and loader.stats.skipped == 1
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_a_stored_label_outside_the_classes_is_named(converted, tmp_path, workers):
+@pytest.mark.parametrize("workers,threads", WORKERS)
+def test_a_stored_label_outside_the_classes_is_named(converted, tmp_path, workers, threads):
     """A `.lbl` record altered in place (same size): the batch-wise label read names the shard and the sample."""
     from fastpipe.errors import DataError
 
@@ -297,7 +308,7 @@ def test_a_stored_label_outside_the_classes_is_named(converted, tmp_path, worker
     data = bytearray((out / s.path).read_bytes())
     data[off : off + size] = np.int32(99).tobytes()
     (out / s.path).write_bytes(bytes(data))
-    loader = make_loader(out, "torch", num_workers=workers, **KW)
+    loader = make_loader(out, "torch", num_workers=workers, threads=threads, **KW)
     with pytest.raises(DataError, match=rf"{s.path}, sample '{key}': label 99 is outside the"):
         list(loader)
 
@@ -322,9 +333,11 @@ def test_worker_count_is_measured_once_and_cached(converted, tmp_path, monkeypat
     assert plain.num_workers >= 1 and not (tmp_path / "workers.json").exists()
     loader = make_loader(converted, num_workers="probe", **KW)
     assert loader.num_workers in _candidates()
-    assert (tmp_path / "workers.json").exists()
+    cached = next(iter(json.loads((tmp_path / "workers.json").read_text()).values()))
+    assert {k.split()[1] for k in cached["img_per_s"]} == {"threads", "processes"}  # both modes measured
+    assert (loader.num_workers, loader.in_threads) == (cached["workers"], cached["threads"])
     again = make_loader(converted, num_workers="probe", **KW)
-    assert again.num_workers == loader.num_workers
+    assert (again.num_workers, again.in_threads) == (loader.num_workers, loader.in_threads)
 
 
 def test_two_ranks_for_real_with_torchrun(tmp_path):
@@ -376,9 +389,10 @@ def test_gpu_backends_match_the_cpu_loader(converted, backend):
 
 
 @pytest.mark.gpu
-def test_side_stream_prefetch_overlaps_without_corruption(converted):
+@pytest.mark.parametrize("threads", MODES)
+def test_side_stream_prefetch_overlaps_without_corruption(converted, threads):
     """Consume batches slowly on the compute stream while the next one is copied: values must stay intact."""
-    loader = make_loader(converted, "torch", split="val", num_workers=1, **{**KW, "device": "cuda"})
+    loader = make_loader(converted, "torch", split="val", num_workers=1, threads=threads, **{**KW, "device": "cuda"})
     sums = []
     for x, _ in loader:
         torch.cuda._sleep(2_000_000)  # keep the compute stream busy while the side stream copies ahead
@@ -387,10 +401,11 @@ def test_side_stream_prefetch_overlaps_without_corruption(converted):
     assert sums == pytest.approx(again)
 
 
-def test_recycled_worker_buffers_never_overwrite_a_batch_in_use(converted):
+@pytest.mark.parametrize("threads", MODES)
+def test_recycled_worker_buffers_never_overwrite_a_batch_in_use(converted, threads):
     """Both recycle worker buffers (normalised output once copied, uint8 once dropped): holding a whole epoch of
     both, the normalised batches must equal the normalisation of the uint8 ones, batch for batch."""
-    kw = {**KW, "batch_size": 1, "num_workers": 2, "prefetch_factor": 2, "seed": 3}
+    kw = {**KW, "batch_size": 1, "num_workers": 2, "prefetch_factor": 2, "seed": 3, "threads": threads}
     floats = make_loader(converted, "torch", **kw)
     uint8 = make_loader(converted, "torch", normalize=False, **kw)
     assert uint8.hands_out_buffer and not floats.hands_out_buffer
@@ -399,6 +414,29 @@ def test_recycled_worker_buffers_never_overwrite_a_batch_in_use(converted):
         uint8.set_epoch(epoch)
         _check_same(list(floats), list(uint8), floats)
         assert len(floats) > 2 * (2 + 2)  # more batches than the pools hold
+
+
+@pytest.mark.gpu
+def test_pinned_thread_buffers_are_reused_only_once_their_copy_has_run(converted, monkeypatch):
+    """Worker threads decode into pinned buffers copied to the device without blocking. Each copy is made to wait
+    on its stream behind a GPU sleep: a buffer handed back to its thread when the copy was queued, not when it ran,
+    would be rewritten before it is read. uint8 on the GPU must equal the CPU's, batch for batch."""
+    from fastpipe.loaders.base import DeviceStep
+
+    real = DeviceStep.images
+
+    def late(self, nhwc):
+        torch.cuda._sleep(20_000_000)  # on the side stream the copy is queued on
+        return real(self, nhwc)
+
+    kw = {**KW, "batch_size": 1, "num_workers": 2, "prefetch_factor": 1, "seed": 2, "normalize": False,
+          "threads": True}
+    cpu = [x for x, _ in make_loader(converted, **kw)]
+    monkeypatch.setattr(DeviceStep, "images", late)
+    gpu = make_loader(converted, **{**kw, "device": "cuda"})
+    assert gpu.buffers.pin and len(gpu) > 2 * (1 + 2)  # more batches than the pools hold
+    held = [x for x, _ in gpu]
+    assert len(held) == len(cpu) and all(torch.equal(a.cpu(), b) for a, b in zip(held, cpu))
 
 
 def _check_same(held_f, held_u, floats):
@@ -413,15 +451,17 @@ def test_workers_are_not_forked_from_a_process_holding_dali(converted):
     """A forked copy of a DALI pipeline hangs in its destructor; with DALI loaded, workers come from forkserver."""
     dali = make_loader(converted, "dali", split="val", **KW)
     assert sum(1 for _ in dali) == len(dali)  # a live pipeline in this process
-    torch_loader = make_loader(converted, "torch", split="val", num_workers=2, **KW)
+    torch_loader = make_loader(converted, "torch", split="val", num_workers=2, threads=False, **KW)
     assert torch_loader.dataloader.multiprocessing_context.get_start_method() == "forkserver"
     assert sum(1 for _ in torch_loader) == len(torch_loader)
 
 
-def test_uint8_batches_reuse_buffers_yet_stay_intact_while_held(converted, monkeypatch):
-    """uint8 on the CPU hands out the workers' shared buffers themselves. Batches kept across a whole second epoch
-    are not overwritten; batches dropped at once go back to the pool and are written again."""
-    kw = {**KW, "batch_size": 1, "num_workers": 2, "prefetch_factor": 2, "seed": 4, "normalize": False}
+@pytest.mark.parametrize("threads", MODES)
+def test_uint8_batches_reuse_buffers_yet_stay_intact_while_held(converted, monkeypatch, threads):
+    """uint8 on the CPU hands out the workers' buffers themselves. Batches kept across a whole second epoch are not
+    overwritten; batches dropped at once go back to the pool and are written again."""
+    kw = {**KW, "batch_size": 1, "num_workers": 2, "prefetch_factor": 2, "seed": 4, "normalize": False,
+          "threads": threads}
     from fastpipe.loaders.batch import BufferPool
 
     lent, lend = [], BufferPool.lend
@@ -505,7 +545,8 @@ import warnings, sys
 from fastpipe import make_loader
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    loader = make_loader(sys.argv[1], "torch", batch_size=32, image_size=224, num_workers=2, device="cpu")
+    loader = make_loader(sys.argv[1], "torch", batch_size=32, image_size=224, num_workers=2, threads=False,
+                         device="cpu")
 n = 0
 for epoch in range(2):
     loader.set_epoch(epoch)
@@ -574,8 +615,9 @@ def _keys(loader, stop=None):
     return out
 
 
-def test_state_dict_resumes_exactly_the_rest_of_the_epoch(converted):
-    kw = {**KW, "batch_size": 4, "seed": 1, "with_keys": True}
+@pytest.mark.parametrize("threads", MODES)
+def test_state_dict_resumes_exactly_the_rest_of_the_epoch(converted, threads):
+    kw = {**KW, "batch_size": 4, "seed": 1, "with_keys": True, "threads": threads}
     whole = make_loader(converted, "torch", num_workers=2, **kw)
     whole.set_epoch(3)
     everything = _keys(whole)

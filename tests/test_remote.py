@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import epoch, make_folder
+from test_loaders import REAL_MODES
 
 from fastpipe.errors import DataError
 from fastpipe.loaders import make_loader
@@ -28,7 +29,6 @@ from fastpipe.manifest import load
 from fastpipe.storage import Remote, RemoteError
 from fastpipe.testing.devserver import Faults, FolderServer
 
-REAL = ["torch", "nvjpeg", pytest.param("dali", marks=pytest.mark.dali)]
 KW = dict(batch_size=8, image_size=32, device="cpu", with_keys=True)
 
 
@@ -39,13 +39,14 @@ def disk_use(folder) -> int:
     return sum(os.stat(os.path.join(folder, f)).st_blocks * 512 for f in os.listdir(folder) if f.endswith(".shard"))
 
 
-@pytest.mark.parametrize("backend", REAL)
+@pytest.mark.parametrize("backend,threads", REAL_MODES)
 @pytest.mark.parametrize("split", ["train", "val"])
-def test_every_backend_reads_every_sample_by_url_under_faults(converted, tmp_path, backend, split):
-    local = epoch(make_loader(converted, backend, split=split, num_workers=2, **KW))
+def test_every_backend_reads_every_sample_by_url_under_faults(converted, tmp_path, backend, threads, split):
+    local = epoch(make_loader(converted, backend, split=split, num_workers=0, **KW))
     faults = Faults(error_every=3, reset_every=4, only=".tar")
     with FolderServer(converted, faults) as url:
-        loader = make_loader(url, backend, split=split, num_workers=2, cache_dir=tmp_path / "cache", **KW)
+        loader = make_loader(url, backend, split=split, num_workers=2, threads=threads, cache_dir=tmp_path / "cache",
+                             **KW)
         remote = epoch(loader)
     assert faults.errors and faults.resets  # the faults were met ...
     assert remote[:2] == local[:2]  # ... and the epoch is the same samples, in the same order, with their labels
@@ -69,13 +70,14 @@ def test_s3_protocol_server_with_faults(converted, tmp_path, s3_bucket):
     assert remote[:2] == local[:2] and torch.equal(remote[2], local[2])
 
 
-def test_workers_share_the_cache_and_fetch_each_byte_once(converted, tmp_path):
+@pytest.mark.parametrize("threads", [False, True])
+def test_workers_share_the_cache_and_fetch_each_byte_once(converted, tmp_path, threads):
     m = load(converted)
     shard_bytes = sum(s.bytes for s in m.split("val").shards)
     with FolderServer(converted) as url:
-        first = make_loader(url, split="val", num_workers=2, cache_dir=tmp_path / "c", **KW)
+        first = make_loader(url, split="val", num_workers=2, threads=threads, cache_dir=tmp_path / "c", **KW)
         epoch(first)
-        again = make_loader(url, split="val", num_workers=2, cache_dir=tmp_path / "c", **KW)
+        again = make_loader(url, split="val", num_workers=2, threads=threads, cache_dir=tmp_path / "c", **KW)
         epoch(again)
     assert first.stats.fetched_bytes == shard_bytes  # every byte of the split once, across both workers
     assert first.stats.requests < m.split("val").samples / 2  # coalesced: never a request per sample
@@ -140,13 +142,17 @@ def test_only_the_needed_part_of_a_shard_is_fetched(converted, tmp_path):
     assert 0 < loader.stats.fetched_bytes < 0.6 * total
 
 
-def test_cache_evicts_least_recently_used_shards_under_its_limit(converted, tmp_path):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_cache_evicts_least_recently_used_shards_under_its_limit(converted, tmp_path, workers):
+    """Also with worker threads, which share the node cache in one process: each reads a batch through the map its
+    samples were fetched into, whatever another thread's fetch evicts meanwhile."""
     m = load(converted)
     largest = max(s.bytes for s in m.split("train").shards)
     limit = 2 * largest + 8192
     local = epoch(make_loader(converted, split="train", num_workers=0, **KW))
     with FolderServer(converted) as url:
-        loader = make_loader(url, split="train", num_workers=0, cache_dir=tmp_path / "c", cache_limit=limit, **KW)
+        loader = make_loader(url, split="train", num_workers=workers, threads=True, cache_dir=tmp_path / "c",
+                             cache_limit=limit, **KW)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # one window may span more than the limit: said once, not an error
             remote = epoch(loader)
@@ -156,6 +162,38 @@ def test_cache_evicts_least_recently_used_shards_under_its_limit(converted, tmp_
     cached = {p.stem for p in (tmp_path / "c").glob("*.shard")}
     assert {p.stem for p in (tmp_path / "c").glob("*.idx")} <= cached  # an index goes with its shard
     assert loader.stats.fetched_bytes > sum(s.bytes for s in m.split("train").shards)  # it did evict and refetch
+
+
+def test_a_loader_thread_reads_its_batch_through_its_own_maps(converted, tmp_path, monkeypatch):
+    """Worker threads share the node cache: another thread's fetch may evict a shard and fetch it again into a new
+    file, without this thread's samples, while this thread reads a batch of it. Played in that order (the other
+    thread's fetches run inside this one's read): the batch's bytes and labels are still its own, read through the
+    map its samples were made present in."""
+    from fastpipe.loaders.shards import ShardSet
+    from fastpipe.loaders.threads import _own_shards
+
+    largest = max(s.bytes for s in load(converted).split("train").shards)
+    with FolderServer(converted) as url:
+        loader = make_loader(url, split="train", num_workers=2, threads=True, cache_dir=tmp_path / "c",
+                             cache_limit=largest + 8192, **KW)  # room for one shard
+        mine, other = _own_shards(loader.dataset).shards, _own_shards(loader.dataset).shards
+        first = np.arange(mine.starts[0], mine.starts[1])
+        read, meanwhile = ShardSet._view, []
+
+        def other_thread_meanwhile(self, shard, offset, size):
+            if self is mine and not meanwhile:
+                meanwhile.append(1)
+                other.fetch(np.arange(mine.starts[1], mine.starts[2]))  # evicts the first shard
+                other.fetch(first[len(first) // 2 :])  # and makes it again, a new file without this batch
+            return read(self, shard, offset, size)
+
+        monkeypatch.setattr(ShardSet, "_view", other_thread_meanwhile)
+        got = mine.read(first[: len(first) // 2])
+    monkeypatch.undo()
+    local = ShardSet(load(converted), "train").read(first[: len(first) // 2])
+    assert meanwhile and loader.shards.cache.path(0).exists()  # the shard was fetched again into a new file
+    assert [bytes(x) for x in got.images] == [bytes(x) for x in local.images]
+    assert torch.equal(got.labels, local.labels)
 
 
 def test_a_cache_limit_smaller_than_one_fetch_warns_and_loses_nothing(converted, tmp_path):

@@ -703,7 +703,7 @@ def test_a_loader_worker_killed_by_the_system_ends_the_run_with_what_to_do(conve
 
     straight, cut = tmp_path / "straight", tmp_path / "cut"
     assert _start(converted, straight, "--epochs", "1").wait(300) == 0
-    p = _start(converted, cut, "--epochs", "1")
+    p = _start(converted, cut, "--epochs", "1", "--threads", "off")
     _wait_for_step(cut, 4, p)
     me = psutil.Process(p.pid)
     workers = [c for c in me.children() if c.cmdline() == me.cmdline()]  # forked loader workers

@@ -18,7 +18,7 @@ from fastpipe.manifest import load
 
 
 def test_workers_ignore_a_foreign_sigterm_but_obey_their_main_process(converted):
-    loader = make_loader(converted, "torch", num_workers=2, **KW)
+    loader = make_loader(converted, "torch", num_workers=2, threads=False, **KW)
     it = iter(loader)
     next(it)
     workers = loader.dataloader._iterator._workers  # this loader's own processes
@@ -50,8 +50,8 @@ def test_an_error_kept_in_a_reference_cycle_does_not_hang_the_exit(converted, tm
         import gc
         from fastpipe import make_loader
         if __name__ == "__main__":
-            loader = make_loader({str(out)!r}, "torch", num_workers=2, on_error="raise", batch_size=1,
-                                 image_size=48, device="cpu")
+            loader = make_loader({str(out)!r}, "torch", num_workers=2, threads=False, on_error="raise",
+                                 batch_size=1, image_size=48, device="cpu")
             kept = []
             try:
                 list(loader)

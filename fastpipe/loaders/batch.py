@@ -1,7 +1,9 @@
-"""What a loader worker hands to the main process: a HostBatch, and the shared-memory buffers it travels in."""
+"""What a loader worker hands to the training step: a HostBatch, and the pooled buffers it is made in (shared memory
+for worker processes, plain or pinned memory for worker threads)."""
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass, field, fields, replace
 
@@ -63,6 +65,22 @@ def _rebuild(state: dict, tensors: bool) -> HostBatch:
     return HostBatch(**state)
 
 
+_thread = threading.local()  # a loader thread's (worker id, worker count): threads.py sets it
+
+
+def worker_info() -> tuple[int, int] | None:
+    """(id, count) of the loader worker this code runs in, a DataLoader worker process or a loader thread; None in
+    the training process's own decoding (num_workers=0)."""
+    info = get_worker_info()
+    if info is not None:
+        return info.id, info.num_workers
+    return getattr(_thread, "worker", None)
+
+
+def set_worker_thread(worker: int, workers: int) -> None:
+    _thread.worker = (worker, workers)
+
+
 @dataclass(frozen=True)
 class SampleKey:
     """Which sample an image is, and the file it was converted from (`make_loader(..., with_keys=True)`)."""
@@ -77,56 +95,70 @@ class SampleKey:
 
 
 class BufferPool:
-    """uint8 NHWC batch buffers, in shared memory inside DataLoader workers, reused once released.
+    """uint8 NHWC batch buffers, one pool per loader worker, reused once released.
 
-    A batch in shared memory crosses to the main process without a copy, but a fresh 10 MB buffer per batch costs
-    its first-touch page faults (about a fifth of the decode time here: benchmarks/bench_loaders.py). So each
-    worker keeps up to `ring` buffers and reuses one only after the main process has released it explicitly,
-    through a shared flag: once it has copied the batch out (into a float tensor, or a pinned and device copy),
-    or, where the caller gets the buffer itself (uint8 output on the CPU), once the caller's last view of it is
-    gone (`lend`). Nothing depends on DataLoader's scheduling or on the caller's habits: a batch kept for as long
-    as you like stays intact, and when no buffer is free a fresh one is allocated.
+    A fresh 10 MB buffer per batch costs its first-touch page faults (about a fifth of the decode time here:
+    benchmarks/bench_loaders.py). So each worker keeps up to `ring` buffers and reuses one only after the training
+    process has released it explicitly, through a flag: once it has copied the batch out (into a float tensor, or
+    a device copy), or, where the caller gets the buffer itself (uint8 output on the CPU), once the caller's last
+    view of it is gone (`lend`). Nothing depends on the workers' scheduling or on the caller's habits: a batch kept
+    for as long as you like stays intact, and when no buffer is free a fresh one is allocated.
+
+    `shared`: worker processes, whose buffers and flags live in shared memory and cross to the training process
+    without a copy. Otherwise (worker threads) nothing is shared memory; `pin`: the buffers are pinned, so that the
+    copy to a CUDA device starts from them directly.
     """
 
-    def __init__(self, workers: int, ring: int, batch: int, size: int):
-        self.shape, self.ring = (batch, size, size, 3), ring
-        self.free = torch.zeros((max(workers, 1), max(ring, 1)), dtype=torch.int8).share_memory_()
-        self.pool: list[torch.Tensor] = []  # this worker's buffers (filled inside the worker process)
-        self.lent: set[int] = set()  # main process: slots whose buffer the caller still holds
+    def __init__(self, workers: int, ring: int, batch: int, size: int, shared: bool = True, pin: bool = False):
+        self.shape, self.ring, self.shared, self.pin = (batch, size, size, 3), ring, shared, pin
+        self.free = torch.zeros((max(workers, 1), max(ring, 1)), dtype=torch.int8)
+        if shared:
+            self.free.share_memory_()
+        self.pools: dict[int, list[torch.Tensor]] = {}  # each worker's buffers, filled by that worker
+        self.lent: set[int] = set()  # training process: slots whose buffer the caller still holds
 
     def _new(self) -> torch.Tensor:
-        if get_worker_info() is None:
-            return torch.empty(self.shape, dtype=torch.uint8)
+        if not self.shared or get_worker_info() is None:
+            return torch.empty(self.shape, dtype=torch.uint8, pin_memory=self.pin)
         storage = torch.UntypedStorage._new_shared(int(np.prod(self.shape)))
         return torch.tensor([], dtype=torch.uint8).set_(storage).view(self.shape)
 
     def take(self) -> tuple[torch.Tensor, int]:
         """A buffer and its slot id (-1: not pooled, never released)."""
-        info = get_worker_info()
-        if info is None or not self.ring:
+        me = worker_info()
+        if me is None or not self.ring:
             return self._new(), -1
-        flags = self.free[info.id]
-        for slot, buffer in enumerate(self.pool):
+        flags, pool = self.free[me[0]], self.pools.setdefault(me[0], [])
+        for slot, buffer in enumerate(pool):
             if flags[slot] == 1:
                 flags[slot] = 0
-                return buffer, info.id * self.ring + slot
-        if len(self.pool) < self.ring:
-            self.pool.append(self._new())
-            flags[len(self.pool) - 1] = 0
-            return self.pool[-1], info.id * self.ring + len(self.pool) - 1
+                return self._handed(buffer), me[0] * self.ring + slot
+        if len(pool) < self.ring:
+            pool.append(self._new())
+            flags[len(pool) - 1] = 0
+            return self._handed(pool[-1]), me[0] * self.ring + len(pool) - 1
         return self._new(), -1
+
+    def _handed(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The pooled buffer as this batch's own tensor: worker threads hand it to the caller as it is, so that its
+        life (and its views', whose base it is) is this batch's alone, as a worker process's batch arriving in the
+        training process is (see `lend`)."""
+        if self.shared:
+            return buffer
+        return torch.empty(0, dtype=torch.uint8).set_(buffer.untyped_storage(), 0, buffer.shape)
 
     def release(self, slot: int) -> None:
         if slot >= 0:
             self.free.view(-1)[slot] = 1
 
     def lend(self, images: torch.Tensor, slot: int) -> None:
-        """The caller gets `images` (the main process's tensor over the slot's shared memory) itself: the slot is
-        released when that tensor is freed. Every view (a slice, a permute, `.numpy()`) keeps it alive through
-        `_base`, so no view can see the buffer rewritten."""
+        """The caller gets `images` (the training process's tensor over the slot's memory) itself: the slot is
+        released when that tensor, or the batch's own tensor it is a view of, is freed. Every view (a slice, a
+        permute, `.numpy()`) keeps it alive through `_base`, so no view can see the buffer rewritten."""
         if slot >= 0:
             self.lent.add(slot)
-            weakref.finalize(images, self._returned, slot).atexit = False
+            root = images if images._base is None else images._base  # a batch is the first rows of its buffer
+            weakref.finalize(root, self._returned, slot).atexit = False
 
     def _returned(self, slot: int) -> None:
         self.lent.discard(slot)

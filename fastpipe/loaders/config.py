@@ -25,6 +25,10 @@ class LoaderConfig:
     # None: the cores per device, less one when there are more than three, at most 16 (workers.heuristic_workers);
     # "probe": measured once per machine and data set and cached (logged); 0: decode in the training process.
     num_workers: int | str | None = None
+    # The workers are threads of the training process (True) or processes (False). None: threads where the decoder
+    # releases the GIL (the torch backend's crop decoder, or simplejpeg + OpenCV; every decoder on free-threaded
+    # Python), else processes; with num_workers="probe", whichever measured faster. See threads.py.
+    threads: bool | None = None
     rank: int | None = None  # None: from torch.distributed when initialised, else 0
     world_size: int | None = None
     seed: int = 0
@@ -90,6 +94,9 @@ class LoaderConfig:
             from fastpipe.loaders.augment import parse
 
             parse(self.augment)  # refused here, with the valid forms, before anything is built
+        if not isinstance(self.threads, (bool, type(None))):
+            raise ConfigError(f"threads={self.threads!r}: use True (worker threads), False (worker processes) or None "
+                              f"(threads where the decoder releases the GIL)")
         if self.num_workers is not None and self.num_workers != "probe" and (
                 not isinstance(self.num_workers, int) or self.num_workers < 0):
             raise ConfigError(f"num_workers={self.num_workers!r}: use a count >= 0, None (cores per device less "

@@ -116,7 +116,7 @@ def _first_undecodable(shards: ShardSet, seconds: float) -> str | None:
 
 class DaliLoader(Loader):
     name = "dali"
-    unsupported = ("cpu_decoder",)
+    unsupported = ("cpu_decoder", "threads")  # DALI runs its own threads (num_workers of them)
 
     def __init__(self, manifest, cfg):
         _import_dali()

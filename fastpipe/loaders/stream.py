@@ -2,7 +2,8 @@
 
 SampleStream is one DataLoader worker's share of an epoch (epoch.py says which samples, in which order, for which
 rank and worker), read through ShardSet and turned into HostBatches by the backend's `prepare` (prepare.py).
-StreamLoader is the base of the backends whose host batches come from it in DataLoader worker processes.
+StreamLoader is the base of the backends whose host batches come from it, in DataLoader worker processes or in
+worker threads of the training process (threads.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from fastpipe.loaders.batch import HostBatch
 from fastpipe.loaders.config import LoaderConfig
 from fastpipe.loaders.epoch import TrainOrder, batches_per_epoch, step_slice, val_batches
 from fastpipe.loaders.shards import ShardSet
+from fastpipe.loaders.threads import LoaderThreads
 from fastpipe.manifest import Manifest
 
 
@@ -39,11 +41,13 @@ def train_order(shards: ShardSet, cfg: LoaderConfig, manifest: Manifest) -> Trai
 class SampleStream(IterableDataset):
     """This worker's batches of the epoch, prepared; a FastpipeError ends the stream as a HostBatch carrying it."""
 
-    def __init__(self, shards: ShardSet, cfg: LoaderConfig, prepare, order: TrainOrder | None):
+    def __init__(self, shards: ShardSet, cfg: LoaderConfig, prepare, order: TrainOrder | None, shared: bool = True):
         self.shards, self.cfg, self.prepare, self.order = shards, cfg, prepare, order
-        # Shared memory, so that set_epoch and a loaded position reach persistent workers.
-        self.epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
-        self.position = torch.zeros(1, dtype=torch.int64).share_memory_()
+        self.epoch = torch.zeros(1, dtype=torch.int64)
+        self.position = torch.zeros(1, dtype=torch.int64)
+        if shared:  # worker processes: so that set_epoch and a loaded position reach persistent workers
+            self.epoch.share_memory_()
+            self.position.share_memory_()
 
     def plan(self, worker: int, workers: int):
         """(sample ids, their positions in the epoch's sequence) of each batch this worker makes, in order."""
@@ -62,7 +66,10 @@ class SampleStream(IterableDataset):
 
     def __iter__(self):
         info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        return self.batches(*((info.id, info.num_workers) if info else (0, 1)))
+
+    def batches(self, worker: int, workers: int):
+        """The batches of worker `worker` of `workers` (a process or a thread), prepared, in order."""
         epoch = int(self.epoch[0])
         remote = self.shards.remote
         try:
@@ -221,31 +228,41 @@ def _stop_workers(ref) -> None:
 
 
 class StreamLoader(Loader):
-    """Host batches from SampleStream in DataLoader workers (torch and nvjpeg backends): subclasses give the
-    preparation (`make_prepare`) and the device step (`_to_device`)."""
+    """Host batches from SampleStream in DataLoader worker processes or worker threads (torch and nvjpeg backends):
+    subclasses give the preparation (`make_prepare`) and the device step (`_to_device`)."""
 
     def __init__(self, manifest: Manifest, cfg: LoaderConfig):
         super().__init__(manifest, cfg)
         self.shards = ShardSet(manifest, self.cfg.split)
         order = train_order(self.shards, self.cfg, manifest) if self.cfg.split == "train" else None
-        self.num_workers, self.prefetch = self._fit_shared_memory(self._pick_workers())
-        self.dataset = SampleStream(self.shards, self.cfg, self.make_prepare(), order)
-        w = self.num_workers
-        self.dataloader = DataLoader(
-            self.dataset, batch_size=None, num_workers=w, pin_memory=self.cfg.pin_memory,
-            persistent_workers=w > 0, prefetch_factor=self.prefetch if w > 0 else None,
-            multiprocessing_context=_worker_context() if w > 0 else None,
+        workers, self.in_threads = self._pick_workers()
+        if self.in_threads:  # nothing goes through /dev/shm: the asked prefetch, whatever its size
+            self.num_workers, self.prefetch = workers, self.cfg.prefetch_factor
+        else:
+            self.num_workers, self.prefetch = self._fit_shared_memory(workers)
+        processes = 0 if self.in_threads else self.num_workers
+        self.dataset = SampleStream(self.shards, self.cfg, self.make_prepare(), order, shared=processes > 0)
+        self._threads = None  # this iteration's LoaderThreads
+        self.dataloader = None if self.in_threads else DataLoader(
+            self.dataset, batch_size=None, num_workers=processes, pin_memory=self.cfg.pin_memory,
+            persistent_workers=processes > 0, prefetch_factor=self.prefetch if processes > 0 else None,
+            multiprocessing_context=_worker_context() if processes > 0 else None,
             worker_init_fn=partial(_worker_init, main_pid=os.getpid()))
-        if w > 0:
+        if self.num_workers > 0:
             atexit.register(_stop_workers, weakref.ref(self))
 
     def make_prepare(self):
         raise NotImplementedError
 
     def close(self) -> None:
-        """End the worker processes now (they start again on the next iteration). Also called when an epoch is
-        abandoned by an exception: otherwise a traceback kept in a reference cycle (pytest, a notebook) keeps the
-        workers alive until the garbage collector finds it, which then cannot stop them cleanly."""
+        """End the workers, processes or threads, now (they start again on the next iteration). Also called when an
+        epoch is abandoned by an exception: otherwise a traceback kept in a reference cycle (pytest, a notebook)
+        keeps the workers alive until the garbage collector finds it, which then cannot stop them cleanly."""
+        if self.in_threads:
+            if self._threads is not None:
+                self._threads.close()
+            self._threads = None
+            return
         it = getattr(self.dataloader, "_iterator", None)
         if it is not None and hasattr(it, "_shutdown_workers"):
             it._shutdown_workers()
@@ -256,14 +273,21 @@ class StreamLoader(Loader):
         split = self.manifest.split(self.cfg.split)
         return self.cfg.batch_size * sum(s.bytes for s in split.shards) // max(split.samples, 1)
 
-    def _pick_workers(self) -> int:
+    def _pick_workers(self) -> tuple[int, bool]:
+        """(worker count, whether the workers are threads)."""
         from fastpipe.loaders.workers import heuristic_workers, tuned_workers
 
-        if self.cfg.num_workers == "probe":
-            return tuned_workers(self.manifest, self.cfg, self.name)
-        if self.cfg.num_workers is None:
-            return heuristic_workers(self.cfg.world_size if self.device.type == "cuda" else 1)
-        return self.cfg.num_workers
+        cfg = self.cfg
+        if cfg.num_workers == "probe":
+            return tuned_workers(self.manifest, cfg, self.name)
+        workers = heuristic_workers(cfg.world_size if self.device.type == "cuda" else 1) \
+            if cfg.num_workers is None else cfg.num_workers
+        return workers, workers > 0 and (self.threads_by_default() if cfg.threads is None else cfg.threads)
+
+    def threads_by_default(self) -> bool:
+        """Whether worker threads are faster than processes for this backend's host work: where it runs without
+        the GIL (see the torch backend)."""
+        return False
 
     def _fit_shared_memory(self, workers: int) -> tuple[int, int]:
         from fastpipe.loaders.workers import fit_shared_memory, shm_free
@@ -275,11 +299,18 @@ class StreamLoader(Loader):
         return workers, prefetch
 
     def describe(self) -> dict:
-        return {**super().describe(), "num_workers": self.num_workers, "prefetch_factor": self.prefetch}
+        return {**super().describe(), "num_workers": self.num_workers, "prefetch_factor": self.prefetch,
+                "workers_are": "threads" if self.in_threads else "processes"}
 
     def _host_batches(self):
         self.dataset.epoch[0] = self.epoch
         self.dataset.position[0] = self.position
+        if self.in_threads:
+            self.close()  # an abandoned iteration's threads end before the next one's start
+            if self.shards.remote is not None:  # the epoch's requests only, as worker processes count from zero
+                self.shards.remote.counters.take()
+            self._threads = LoaderThreads(self.dataset, self.num_workers, self.prefetch)
+            return iter(self._threads)
         it = iter(self.dataloader)
         _dead_workers_at_the_next_batch()
         return _deaths_named(it) if self.num_workers else it

@@ -1,9 +1,10 @@
-"""How many loader worker processes to use on this machine."""
+"""How many loader workers to use on this machine, processes or threads, and what shared memory allows."""
 
 from __future__ import annotations
 
 import math
 import os
+import sys
 
 from fastpipe.util import usable_cores
 
@@ -28,35 +29,47 @@ def _candidates() -> list[int]:
     return sorted({c for c in (1, 2, 4, 6, 8, 12, 16, cores) if c <= cores})
 
 
-def _probe(manifest, cfg, backend: str, workers: int, seconds: float) -> float:
-    """Images/s of the loader alone with `workers` processes, after one warm-up batch."""
+def gil_enabled() -> bool:
+    """False on a free-threaded CPython (3.13t and later) running without the GIL: there every decoder runs in
+    parallel in threads, Pillow's too."""
+    check = getattr(sys, "_is_gil_enabled", None)
+    return True if check is None else bool(check())
+
+
+def _probe(manifest, cfg, backend: str, workers: int, threads: bool, seconds: float) -> float:
+    """Images/s of the loader alone with `workers` processes or threads, after one warm-up batch."""
     import time
     from dataclasses import replace
 
     from fastpipe.loaders import make_loader_from
 
-    loader = make_loader_from(manifest, replace(cfg, num_workers=workers, split="train", device="cpu",
-                                                pin_memory=False), backend)
-    it = iter(loader)
-    next(it)
-    n, start = 0, time.perf_counter()
-    for x, _ in it:
-        n += len(x)
-        if time.perf_counter() - start > seconds:
-            break
-    return n / max(time.perf_counter() - start, 1e-9)
+    loader = make_loader_from(manifest, replace(cfg, num_workers=workers, threads=threads, split="train",
+                                                device="cpu", pin_memory=False), backend)
+    try:
+        it = iter(loader)
+        next(it)
+        n, start = 0, time.perf_counter()
+        for x, _ in it:
+            n += len(x)
+            if time.perf_counter() - start > seconds:
+                break
+        return n / max(time.perf_counter() - start, 1e-9)
+    finally:
+        loader.close()
 
 
-def tuned_workers(manifest, cfg, backend: str, seconds: float = 2.0) -> int:
-    """Measured once per machine, data set and batch shape, then read from the cache: the smallest worker
-    count within 5 % of the fastest, so that spare cores stay with the training process."""
+def tuned_workers(manifest, cfg, backend: str, seconds: float = 2.0) -> tuple[int, bool]:
+    """(workers, whether threads) measured once per machine, data set, batch shape and decoder, then read from
+    the cache: the smallest worker count within 5 % of the fastest, so that spare cores stay with the training
+    process, in the faster of the modes at that count. Both modes are measured unless `cfg.threads` names one."""
     import json
     import logging
     import platform
 
     where = manifest.location if manifest.remote else manifest.root.resolve()
-    key = "|".join(map(str, (platform.node(), usable_cores(), where,
-                             manifest.settings.get("fingerprint", ""), backend, cfg.image_size, cfg.batch_size)))
+    modes = (False, True) if cfg.threads is None else (cfg.threads,)
+    key = "|".join(map(str, (platform.node(), usable_cores(), where, manifest.settings.get("fingerprint", ""),
+                             backend, cfg.image_size, cfg.batch_size, cfg.cpu_decoder, "threads", *modes)))
     path = _cache_path()
     try:
         cache = json.loads(path.read_text())
@@ -64,17 +77,24 @@ def tuned_workers(manifest, cfg, backend: str, seconds: float = 2.0) -> int:
         cache = {}
     log = logging.getLogger("fastpipe")
     if key in cache:
-        log.info("num_workers=%d (measured earlier, cached in %s)", cache[key]["workers"], path)
-        return cache[key]["workers"]
-    rates = {w: _probe(manifest, cfg, backend, w, seconds) for w in _candidates()}
+        got = cache[key]
+        log.info("num_workers=%d, %s (measured earlier, cached in %s)", got["workers"], _mode(got["threads"]), path)
+        return got["workers"], got["threads"]
+    rates = {(w, t): _probe(manifest, cfg, backend, w, t, seconds) for t in modes for w in _candidates()}
     best = max(rates.values())
-    chosen = min(w for w, r in rates.items() if r >= 0.95 * best)
-    cache[key] = {"workers": chosen, "img_per_s": {str(k): round(v, 1) for k, v in rates.items()}}
+    workers = min(w for (w, _), r in rates.items() if r >= 0.95 * best)
+    threads = max((t for w, t in rates if w == workers), key=lambda t: rates[workers, t])
+    cache[key] = {"workers": workers, "threads": threads,
+                  "img_per_s": {f"{w} {_mode(t)}": round(r, 1) for (w, t), r in rates.items()}}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(cache, indent=1))
-    log.warning("num_workers=%d chosen by a probe (%s img/s); cached in %s", chosen,
-                ", ".join(f"{w}: {r:.0f}" for w, r in rates.items()), path)
-    return chosen
+    log.warning("num_workers=%d, %s, chosen by a probe (img/s: %s); cached in %s", workers, _mode(threads),
+                ", ".join(f"{w} {_mode(t)} {r:.0f}" for (w, t), r in rates.items()), path)
+    return workers, threads
+
+
+def _mode(threads: bool) -> str:
+    return "threads" if threads else "processes"
 
 
 SHM = "/dev/shm"

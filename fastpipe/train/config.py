@@ -14,6 +14,7 @@ from fastpipe.options import (
     opt,
     parse_gb,
     parse_normalize,
+    parse_onoff,
     parse_workers,
 )
 from fastpipe.urls import check_location
@@ -21,7 +22,7 @@ from fastpipe.urls import check_location
 AMP_MODES = ("fp16", "bf16", "off")
 OPTIMIZERS = ("sgd", "adamw")
 # What a resumed run may change: how long it runs and where, not what it trains.
-RESUMABLE_CHANGES = {"epochs", "stop_after", "workers", "resume", "out", "log_every", "device", "data",
+RESUMABLE_CHANGES = {"epochs", "stop_after", "workers", "threads", "resume", "out", "log_every", "device", "data",
                      "checkpoint_every", "cache_dir", "cache_limit"}
 
 
@@ -58,6 +59,9 @@ class TrainConfig:
     workers: int | str | None = opt(None, "loader workers: a number (0 = in this process), auto (cores per device "
                                           "less one) or probe (measured once, cached)", parse=parse_workers,
                                  low=0, high=1024)
+    threads: bool | None = opt(None, "loader workers as threads of the training process (on) or processes (off); "
+                                     "default auto: threads where the JPEG decoder releases the GIL (fastpipe doctor "
+                                     "says which)", parse=parse_onoff)
     out: str | None = opt(None, "run folder (default runs/<time>-<model>)")
     resume: bool = opt(False, "continue the run in --out from its last checkpoint, with its saved settings")
     stop_after: int | None = opt(None, "leave after N epochs of this invocation (resumable), for time-limited jobs",

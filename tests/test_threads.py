@@ -1,0 +1,166 @@
+"""Loader workers as threads of the training process: the process mode's batches bit for bit, no shared memory, the
+default where the decoder releases the GIL, and no thread left running however an epoch ends."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from test_loaders import KW
+
+from fastpipe import make_loader
+from fastpipe.errors import ConfigError
+from fastpipe.loaders import cpu_ops
+from fastpipe.loaders.prepare import CpuDecode
+from fastpipe.loaders.threads import running
+
+
+def _epoch(loader, e=0):
+    loader.set_epoch(e)
+    return [(x.clone(), y, [str(k) for k in keys]) for x, y, keys in loader]
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for (xa, ya, ka), (xb, yb, kb) in zip(a, b):
+        assert ka == kb and torch.equal(ya, yb) and torch.equal(xa, xb)
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_threads_give_the_process_modes_batches_bit_for_bit_and_resume_alike(converted, split):
+    kw = {**KW, "split": split, "seed": 7, "normalize": False, "with_keys": True, "num_workers": 2}
+    threads, processes = make_loader(converted, threads=True, **kw), make_loader(converted, threads=False, **kw)
+    assert threads.describe()["workers_are"] == "threads" and processes.describe()["workers_are"] == "processes"
+    for e in (0, 1):
+        _same(_epoch(threads, e), _epoch(processes, e))
+    if split == "train":  # stopped after 3 batches in thread mode, resumed by 3 worker processes
+        threads.set_epoch(2)
+        it = iter(threads)
+        first = [(x.clone(), y, [str(k) for k in keys]) for _, (x, y, keys) in zip(range(3), it)]
+        state = threads.state_dict()
+        it.close()
+        rest = make_loader(converted, threads=False, **{**kw, "num_workers": 3})
+        rest.load_state_dict(state)
+        _same(first + [(x.clone(), y, [str(k) for k in keys]) for x, y, keys in rest], _epoch(processes, 2))
+        rest.close()
+    processes.close()
+    assert not running()
+
+
+def test_the_default_is_threads_where_the_decoder_releases_the_gil(converted):
+    default = make_loader(converted, num_workers=2, **KW)
+    pillow = make_loader(converted, num_workers=2, cpu_decoder="pillow", **KW)
+    nvjpeg = make_loader(converted, "nvjpeg", num_workers=2, **KW)
+    assert default.in_threads == (cpu_ops.cv2 is not None)  # crop decoder or simplejpeg, + OpenCV
+    assert not pillow.in_threads and not nvjpeg.in_threads
+    assert not make_loader(converted, num_workers=0, threads=True, **KW).in_threads  # 0: in the training process
+    with pytest.raises(ConfigError, match=r"threads='on': use True \(worker threads\), False"):
+        make_loader(converted, threads="on", **KW)
+
+
+def test_a_thread_mode_loader_uses_no_shared_memory(converted, monkeypatch):
+    """torch's shared memory made to fail, as where /dev/shm is missing or full: threads do not touch it."""
+    def refused(*_a, **_k):
+        raise RuntimeError("unable to allocate shared memory")
+
+    monkeypatch.setattr(torch.Tensor, "share_memory_", refused)
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared", refused)
+    with pytest.raises(RuntimeError, match="shared memory"):  # what worker processes need
+        make_loader(converted, num_workers=2, threads=False, **KW)
+    loader = make_loader(converted, num_workers=2, threads=True, **KW)
+    for e in range(2):
+        loader.set_epoch(e)
+        assert sum(len(y) for _, y in loader) == len(loader) * KW["batch_size"]
+
+
+SHM_SCRIPT = """
+import sys, torch
+from fastpipe import make_loader
+try:
+    torch.zeros(1).share_memory_()
+    print("SHARED MEMORY WORKS")
+except RuntimeError:
+    pass
+loader = make_loader(sys.argv[1], "torch", batch_size=8, image_size=48, num_workers=2, threads=True, device="cpu")
+n = 0
+for epoch in range(2):
+    loader.set_epoch(epoch)
+    n += sum(len(y) for _, y in loader)
+maps = [line for line in open("/proc/self/maps") if "/dev/shm/" in line]
+print("SAMPLES", n, "BATCHES", 2 * len(loader), "SHM MAPS", len(maps))
+"""
+
+
+def test_threads_run_where_dev_shm_is_read_only(converted, tmp_path):
+    """A real /dev/shm nothing can be written to, in a private mount namespace."""
+    if shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs unshare -m (root) to mount a read-only /dev/shm")
+    (tmp_path / "run.py").write_text(SHM_SCRIPT)
+    r = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o ro,size=64k tmpfs /dev/shm && "
+                        f"{sys.executable} {tmp_path / 'run.py'} {converted}"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "SHARED MEMORY WORKS" not in r.stdout  # the environment does bite
+    n, batches = int(r.stdout.split("SAMPLES ")[1].split()[0]), int(r.stdout.split("BATCHES ")[1].split()[0])
+    assert n == 8 * batches > 0 and "SHM MAPS 0" in r.stdout, r.stdout
+
+
+def test_no_thread_outlives_an_epoch_however_it_ends(converted, monkeypatch):
+    loader = make_loader(converted, num_workers=2, threads=True, **{**KW, "batch_size": 2})
+    assert len(list(loader)) == len(loader) and not running()  # the end of the epoch
+    for _ in loader:  # the caller leaves the loop
+        assert running()
+        break
+    assert not running()
+    it = iter(loader)
+    next(it)
+    loader.close()  # closed while the threads are ahead
+    assert not running()
+    calls = []
+
+    def bug(self, raw, positions, epoch):
+        calls.append(1)
+        if len(calls) > 3:
+            raise ZeroDivisionError("a bug in a decoder")
+        return real(self, raw, positions, epoch)
+
+    real = CpuDecode.__call__
+    monkeypatch.setattr(CpuDecode, "__call__", bug)
+    with pytest.raises(ZeroDivisionError, match="a bug in a decoder"):  # as it is, with its traceback
+        list(loader)
+    assert not running()
+
+
+def test_ctrl_c_while_the_threads_decode_stops_them_all(converted, monkeypatch):
+    """Ctrl-C reaches the training process's main thread while it waits for a batch and the threads are inside a
+    decode (held there by an event, not a time); the epoch ends with KeyboardInterrupt and no thread left."""
+    inside, release = threading.Event(), threading.Event()
+    real = CpuDecode._decode
+
+    def held(self, *a):
+        inside.set()
+        release.wait(60)
+        return real(self, *a)
+
+    monkeypatch.setattr(CpuDecode, "_decode", held)
+    main = threading.main_thread().ident
+
+    def interrupt():
+        inside.wait(60)
+        signal.pthread_kill(main, signal.SIGINT)
+        release.set()
+
+    loader = make_loader(converted, num_workers=2, threads=True, **KW)
+    helper = threading.Thread(target=interrupt)
+    helper.start()
+    with pytest.raises(KeyboardInterrupt):
+        for _ in loader:
+            pass
+    helper.join(60)
+    assert inside.is_set() and not running()
