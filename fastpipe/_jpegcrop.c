@@ -7,12 +7,16 @@
  * box cannot be skipped (Huffman data has no index), so the saving is the IDCT and colour work of the pixels
  * outside the box, and everything below it.
  *
- * header(data) -> (width, height, colorspace, progressive, arithmetic)
- * decode(data, denom, x0, y0, x1, y1, out) -> (dx, stride)
+ * header(data) -> (width, height, colorspace, progressive, arithmetic, sampling)
+ *     sampling: each component's (horizontal, vertical) sampling factors, which decide whether a DCT-scaled crop
+ *     equals a full decode on this libjpeg-turbo (jpegcrop.py).
+ * decode(data, denom, x0, y0, x1, y1, out, max_scans) -> (dx, stride)
  *     The box is in the coordinates of the image scaled by 1/denom (denom 1, 2, 4 or 8: the scalings with SIMD
  *     IDCTs). Row r of the box is written at out[r * stride * 3 + dx * 3 ...], RGB, so the caller views the box
  *     as out[:rows * stride * 3].reshape(rows, stride, 3)[:, dx:dx + x1 - x0] without a copy. `out` must hold
- *     (y1 - y0) * (x1 - x0 + ROW_SLACK) * 3 bytes.
+ *     (y1 - y0) * (x1 - x0 + ROW_SLACK) * 3 bytes. A file of more than max_scans scans is refused as libjpeg-turbo's
+ *     own tools refuse one (djpeg -maxscans): a progress monitor stops the decoder when it reaches the next scan, so
+ *     a file that repeats its scans thousands of times costs max_scans passes at most.
  *
  * Errors: every libjpeg error, and every libjpeg warning (corrupt data it would paper over with grey), raises
  * jpegcrop.Error (a ValueError) through setjmp/longjmp: the process never exits. The GIL is released while
@@ -60,8 +64,25 @@ static void on_message(j_common_ptr cinfo, int level) {
 }
 
 typedef struct {
+    struct jpeg_progress_mgr pub;
+    int max_scans;
+} scan_limit;
+
+/* Called by libjpeg as it reads (at least once per iMCU row and per scan): refuses the scan after the last allowed. */
+static void count_scans(j_common_ptr cinfo) {
+    scan_limit *limit = (scan_limit *)cinfo->progress;
+    error_mgr *err = (error_mgr *)cinfo->err;
+    if (((j_decompress_ptr)cinfo)->input_scan_number > limit->max_scans) {
+        snprintf(err->message, JMSG_LENGTH_MAX, "a JPEG of more than %d scans (libjpeg-turbo's limit for untrusted "
+                 "files): each scan is a pass over the whole image", limit->max_scans);
+        longjmp(err->jump, 1);
+    }
+}
+
+typedef struct {
     struct jpeg_decompress_struct cinfo;
     error_mgr err;
+    scan_limit limit;
 } decoder;
 
 static void start(decoder *d, const unsigned char *data, Py_ssize_t size) {
@@ -120,10 +141,18 @@ static PyObject *header(PyObject *self, PyObject *args) {
         return NULL;
     }
     jpeg_read_header(&d.cinfo, TRUE);
-    PyObject *out = Py_BuildValue("IIsOO", d.cinfo.image_width, d.cinfo.image_height,
-                                  colorspace_name(d.cinfo.jpeg_color_space),
-                                  d.cinfo.progressive_mode ? Py_True : Py_False,
-                                  d.cinfo.arith_code ? Py_True : Py_False);
+    PyObject *sampling = PyTuple_New(d.cinfo.num_components);
+    for (int i = 0; sampling != NULL && i < d.cinfo.num_components; i++) {
+        PyObject *hv = Py_BuildValue("ii", d.cinfo.comp_info[i].h_samp_factor, d.cinfo.comp_info[i].v_samp_factor);
+        if (hv == NULL)
+            Py_CLEAR(sampling);
+        else
+            PyTuple_SET_ITEM(sampling, i, hv);
+    }
+    PyObject *out = sampling == NULL ? NULL : Py_BuildValue("IIsOON", d.cinfo.image_width, d.cinfo.image_height,
+                                                            colorspace_name(d.cinfo.jpeg_color_space),
+                                                            d.cinfo.progressive_mode ? Py_True : Py_False,
+                                                            d.cinfo.arith_code ? Py_True : Py_False, sampling);
     jpeg_destroy_decompress(&d.cinfo);
     PyBuffer_Release(&data);
     return out;
@@ -134,7 +163,7 @@ typedef struct {
     Py_ssize_t size;
     unsigned char *out;
     Py_ssize_t out_size;
-    int denom;
+    int denom, max_scans;
     long x0, y0, x1, y1;
     JDIMENSION dx, stride; /* results */
     const char *refused;    /* a check of ours failed (no libjpeg message) */
@@ -162,6 +191,9 @@ static int run(job *j) {
     JDIMENSION left, width, rows = (JDIMENSION)(j->y1 - j->y0);
     JSAMPROW row[16];
     start(&d, j->data, j->size);
+    d.limit.pub.progress_monitor = count_scans;
+    d.limit.max_scans = j->max_scans;
+    d.cinfo.progress = &d.limit.pub;
     if (setjmp(d.err.jump)) {
         strcpy(j->message, d.err.message);
         jpeg_destroy_decompress(&d.cinfo); /* aborts too */
@@ -220,8 +252,12 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     job j;
     int rc;
     memset(&j, 0, sizeof j);
-    if (!PyArg_ParseTuple(args, "Oillll" "O", &obj, &j.denom, &j.x0, &j.y0, &j.x1, &j.y1, &out_obj))
+    if (!PyArg_ParseTuple(args, "Oillll" "Oi", &obj, &j.denom, &j.x0, &j.y0, &j.x1, &j.y1, &out_obj, &j.max_scans))
         return NULL;
+    if (j.max_scans < 1) {
+        PyErr_Format(PyExc_ValueError, "max_scans=%d: use 1 or more", j.max_scans);
+        return NULL;
+    }
     if (j.denom != 1 && j.denom != 2 && j.denom != 4 && j.denom != 8) {
         PyErr_Format(PyExc_ValueError, "denom=%d: use 1, 2, 4 or 8", j.denom);
         return NULL;
@@ -256,9 +292,11 @@ static PyObject *decode(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"header", header, METH_VARARGS, "header(data) -> (width, height, colorspace, progressive, arithmetic)"},
+    {"header", header, METH_VARARGS,
+     "header(data) -> (width, height, colorspace, progressive, arithmetic, sampling)"},
     {"decode", decode, METH_VARARGS,
-     "decode(data, denom, x0, y0, x1, y1, out) -> (dx, stride): the box of the 1/denom-scaled image, RGB, into out"},
+     "decode(data, denom, x0, y0, x1, y1, out, max_scans) -> (dx, stride): the box of the 1/denom-scaled image, RGB, "
+     "into out"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "fastpipe._jpegcrop",

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -137,13 +138,34 @@ def check_pillow() -> list[Check]:
     turbo = features.check_feature("libjpeg_turbo")
     checks = [Check("OK" if simd else "INFO", "Pillow", kind,
                     "" if simd else "optional: scripts/setup.sh --pillow-simd resizes 4-8x faster"),
-              Check("OK" if turbo else "WARN", "libjpeg-turbo", "yes" if turbo else "no",
+              Check("OK" if turbo else "WARN", "libjpeg-turbo", turbo_versions(),
                     "" if turbo else "JPEG decode is 2-3x slower without libjpeg-turbo: rebuild Pillow against it")]
     missing = [f for f in ("webp", "libtiff", "littlecms2") if not features.check(f)]
     if missing:
         checks.append(Check("WARN", "Pillow formats", f"missing {', '.join(missing)}",
                             "photos in these formats will be rejected; rebuild with their -dev headers"))
     return checks
+
+
+def turbo_versions() -> str:
+    """Which libjpeg-turbo each JPEG decoder runs with: the crop decoder's (the library it loaded), simplejpeg's (linked
+    into its module) and Pillow's, or 'unknown' where it cannot be told."""
+    from PIL import features
+
+    from fastpipe.loaders import cpu_ops, jpegcrop
+
+    crop = "not built" if jpegcrop.ext is None else jpegcrop.runtime_version() or "unknown"
+    if jpegcrop.ext is not None and not jpegcrop.crops_fixed():
+        crop += (f" (4x2 and 2x4 sampled files are cropped unscaled: libjpeg-turbo "
+                 f"{'.'.join(map(str, jpegcrop.FIXED_IN))} fixed their scaled crops)")
+    simple = "not installed"
+    if cpu_ops.simplejpeg is not None:
+        found = Path(cpu_ops.simplejpeg.__file__).parent.glob("_jpeg*")
+        module = next((p for p in found if p.suffix in (".so", ".pyd", ".dylib")), None)
+        simple = (jpegcrop.version_in(module) if module else None) or "unknown"
+    pillow = features.version_feature("libjpeg_turbo") or ("unknown" if features.check_feature("libjpeg_turbo")
+                                                           else "none (libjpeg)")
+    return f"crop decoder {crop}; simplejpeg {simple}; Pillow {pillow}"
 
 
 def check_decoder() -> Check:

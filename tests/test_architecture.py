@@ -32,7 +32,7 @@ def test_layers_do_not_import_upwards_or_sideways(package, forbidden):
 
 def test_the_ground_floor_imports_no_feature_package():
     for name in ("errors.py", "util.py", "options.py", "shardformat.py", "manifest.py", "storage.py", "cache.py",
-                 "cachefiles.py", "stores.py"):
+                 "cachefiles.py", "stores.py", "imageguard.py"):
         mods = imports(PKG / name)
         assert not [m for m in mods if m.split(".")[1] in ("convert", "loaders", "train", "bench", "cli")], name
 

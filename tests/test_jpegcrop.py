@@ -91,6 +91,73 @@ def test_box_pixels_are_a_full_decodes(kind, w, h):
             assert np.array_equal(box, own[y0:y1, x0:x1]), (denom, (x0, y0, x1, y1))
 
 
+# Every sampling a frame header may declare: each component's factors against the largest are 1..4 with at most 10
+# blocks a MCU (so no 3x3, 4x3 or 4x4 for a colour file), plus grayscale and chroma factors other than 1x1.
+SAMPLINGS = [((h, v), (1, 1), (1, 1)) for h in range(1, 5) for v in range(1, 5) if h * v <= 8] + \
+    [((1, 1),), ((1, 1), (2, 2), (1, 1)), ((2, 2), (1, 2), (1, 2)), ((2, 2), (2, 1), (1, 1)), ((3, 2), (1, 2), (1, 2))]
+
+
+@built
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=lambda s: ",".join(f"{h}x{v}" for h, v in s))
+def test_every_sampling_crops_as_its_full_decode_at_every_scale_the_decoder_uses(sampling):
+    """A box the crop decoder gives is the same box of its whole-image decode at that scale, for every sampling;
+    where a DCT-scaled crop is not (4x2 and 2x4 before libjpeg-turbo 3.0.0: up to 177 grey levels apart on this
+    photo) the decoder does not scale. Whole-image scaled decodes never crop: simplejpeg's (which refuses all but
+    the common samplings) and Pillow's draft() equal the crop decoder's, whatever their libjpeg-turbo."""
+    from jpegs import encode
+
+    w, h = 333, 251
+    data, rng = encode(np.asarray(render("leaf_rust", w, h, 3)), sampling), np.random.default_rng(7)
+    assert jpegcrop.header(data)[3] == sampling
+    for denom in (1, 2, 4, 8):
+        sw, sh = -(-w // denom), -(-h // denom)
+        if denom > 1 and not jpegcrop.scaled_crops(sampling):
+            assert sampling[0] in ((4, 2), (2, 4)) and not jpegcrop.crops_fixed()
+            assert jpegcrop.scale_for(w, h, (0, 0, w, h), w // 8, sampling) == 1
+            continue
+        own = jpegcrop.decode_box(data, denom, (0, 0, sw, sh)).copy()
+        for x0, y0, x1, y1 in boxes(sw, sh, rng):
+            assert np.array_equal(jpegcrop.decode_box(data, denom, (x0, y0, x1, y1)), own[y0:y1, x0:x1]), \
+                (denom, (x0, y0, x1, y1))
+        pil = Image.open(io.BytesIO(data))
+        pil.draft("RGB", (w // denom, h // denom))
+        assert np.abs(np.asarray(pil.convert("RGB")).astype(int) - own).max() <= 1
+        try:
+            fast = simplejpeg.decode_jpeg(data, "RGB", min_width=sw, min_height=sh)
+        except ValueError:
+            assert sampling not in (((1, 1),), *(((h, v), (1, 1), (1, 1)) for h, v in ((1, 1), (2, 1), (2, 2))))
+            continue
+        assert np.abs(fast.astype(int) - own).max() <= 1
+
+
+@built
+def test_the_loader_path_takes_the_scale_from_the_files_sampling(monkeypatch):
+    """cpu_ops asks the crop decoder for a scaled box of a 4:2:0 file and, where this libjpeg-turbo gets its scaled
+    crops wrong, for an unscaled one of a 4x2 file with the same box and output."""
+    from jpegs import encode
+
+    asked, decode_box = [], jpegcrop.decode_box
+    monkeypatch.setattr(jpegcrop, "decode_box", lambda data, denom, box: asked.append(denom) or decode_box(data, denom,
+                                                                                                          box))
+    rgb = np.asarray(render("leaf_rust", 640, 480, 5))
+    for sampling in (((2, 2), (1, 1), (1, 1)), ((4, 2), (1, 1), (1, 1))):
+        assert cpu_ops.decode_val(encode(rgb, sampling), 64, decoder="crop").shape == (64, 64, 3)
+    assert asked[0] > 1 and asked[1] == (asked[0] if jpegcrop.crops_fixed() else 1)
+
+
+@built
+def test_a_jpeg_of_more_scans_than_the_limit_is_refused_as_it_decodes():
+    """The progress monitor stops the decoder at scan MAX_SCANS + 1 (a valid file that repeats its DC scan)."""
+    from jpegs import encode
+
+    from fastpipe.imageguard import MAX_SCANS
+
+    rgb = np.asarray(render("leaf_rust", 64, 48, 0))
+    assert jpegcrop.decode_box(encode(rgb, scans=MAX_SCANS), 1, (0, 0, 64, 48)).shape == (48, 64, 3)
+    with pytest.raises(jpegcrop.Error, match=f"more than {MAX_SCANS} scans"):
+        jpegcrop.decode_box(encode(rgb, scans=MAX_SCANS + 1), 1, (0, 0, 8, 8))
+
+
 @built
 @pytest.mark.parametrize("kind", ["4:2:0", "gray", "progressive"])
 def test_train_and_val_outputs_equal_the_full_decode_paths(kind):
@@ -130,9 +197,9 @@ def test_damaged_files_raise_a_clean_error():
     with pytest.raises(jpegcrop.Error, match="outside"):
         jpegcrop.decode_box(data, 1, (0, 0, 334, 10))
     with pytest.raises(ValueError, match="denom"):
-        jpegcrop.ext.decode(data, 3, 0, 0, 1, 1, np.empty(100, np.uint8))
+        jpegcrop.ext.decode(data, 3, 0, 0, 1, 1, np.empty(100, np.uint8), 500)
     with pytest.raises(jpegcrop.Error, match="too small"):
-        jpegcrop.ext.decode(data, 1, 0, 0, 10, 10, np.empty(100, np.uint8))
+        jpegcrop.ext.decode(data, 1, 0, 0, 10, 10, np.empty(100, np.uint8), 500)
 
 
 @built

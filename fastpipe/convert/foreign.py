@@ -1,12 +1,14 @@
 """`fastpipe index SHARDS...`: adopt WebDataset shards written by other tools (e.g. webdataset.ShardWriter).
 
 Writes a `.idx` beside each shard and a dataset.json (counts, class list, mean/std from a sample of decoded
-images), so that every other command works on them unchanged. Everything a loader worker would trip over
-(links, duplicate keys, a member beyond the end of the file, a label that is not a class index, mixed image
-types) is refused here, naming the shard and member. `--idx-only` writes the `.idx` files and nothing else: the
-repair for a missing or damaged index that never touches a manifest. Shards already in a store (`index_to_url`,
-`index_only_urls`) are downloaded into publish.py's staging folder, indexed there, and the new files uploaded beside
-them.
+images), so that every other command works on them unchanged. Everything a loader worker would trip over (links,
+duplicate keys, a member beyond the end of the file, a label that is not a class index, mixed image types) is
+refused here, naming the shard and member. No image is decoded (for mean/std or the previews) before its header
+passes imageguard.check (--max-pixels, recorded in dataset.json for the loaders, and the scan limit); one that does
+not, or does not decode, is left out, named in dataset.json (`settings.undecoded`) and said. `--idx-only` writes
+the `.idx` files and nothing else: the repair for a missing or damaged index that never touches a manifest. Shards
+already in a store (`index_to_url`, `index_only_urls`) are downloaded into publish.py's staging folder, indexed
+there, and the new files uploaded beside them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
+from fastpipe import imageguard
 from fastpipe.convert import outputs, previews, readers
 from fastpipe.convert.publish import staging_folder, upload
 from fastpipe.errors import ConfigError, DataError
@@ -56,6 +59,8 @@ class IndexConfig:
     val: list[Path] = opt([], "validation shard files", nargs="*")
     classes_file: str | None = opt(None, "text file of class names, one per line, in label order", flag="--classes")
     stats_samples: int = opt(2000, "train images decoded for mean/std", low=1, high=10_000_000)
+    max_pixels: int = opt(imageguard.DEFAULT_MAX_PIXELS, "refuse to decode larger images (decompression-bomb guard): "
+                          "left out of mean/std and previews here, skipped by the loaders", low=1)
     idx_only: bool = opt(False, "write the .idx files only (a missing or damaged index); no manifest is touched")
     overwrite: bool = opt(False, "replace an existing dataset.json in the folder")
 
@@ -69,7 +74,7 @@ class _Scan:
     labels: Counter = field(default_factory=Counter)
     image_exts: Counter = field(default_factory=Counter)
     label_exts: Counter = field(default_factory=Counter)
-    images: list[bytes] = field(default_factory=list)
+    images: list[tuple[str, bytes]] = field(default_factory=list)  # (shard/key, image bytes) for mean/std
 
 
 def _label(tar: Path, fh, key: str, parts: dict, limit: int) -> tuple[str, int]:
@@ -101,7 +106,7 @@ def _scan(tar: Path, keep: int, scan: _Scan, limit: int) -> list[str]:
             scan.image_exts[images[0]] += 1
             scan.label_exts[label_ext] += 1
             if len(scan.images) < keep and parts[images[0]][1] <= MAX_STATS_IMAGE:
-                scan.images.append(read_member(fh, parts[images[0]]))
+                scan.images.append((f"{tar.name}/{key}", read_member(fh, parts[images[0]])))
     scan.samples += len(entries)
     return [entry_line(k, p) for k, p in entries]
 
@@ -114,17 +119,20 @@ def _one(counter: Counter, what: str, shards: str) -> str | None:
     return next(iter(counter), None)
 
 
-def _stats(images: list[bytes]) -> Stats:
-    total = Stats.zero()
-    for data in tqdm(images, desc="mean/std", unit="img", leave=False):
+def _stats(images: list[tuple[str, bytes]], max_pixels: int) -> tuple[Stats, list[str]]:
+    """Mean/std sums of the images that pass the header checks and decode; 'shard/key: why' for the others."""
+    total, undecoded = Stats.zero(), []
+    for name, data in tqdm(images, desc="mean/std", unit="img", leave=False):
         try:
+            imageguard.check(data, max_pixels)
             im = Image.open(io.BytesIO(data)).convert("RGB")
-        except (OSError, ValueError, SyntaxError):
-            continue  # an undecodable image: `fastpipe inspect --verify` reports it
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+            undecoded.append(f"{name}: {type(e).__name__}: {e}"[:300])  # the loaders skip it; inspect --verify too
+            continue
         h = np.asarray(im.histogram(), dtype=np.float64).reshape(3, 256)
         v = np.arange(256) / 255.0
         total = total + Stats(im.width * im.height, tuple(h @ v), tuple(h @ (v * v)))
-    return total
+    return total, undecoded
 
 
 def _inside(path: Path, out: Path) -> str:
@@ -229,9 +237,11 @@ def index_shards(cfg: IndexConfig) -> Manifest:
         classes = names or tuple(str(i) for i in range(num))
         splits = {name: SplitInfo(tuple(sh), tuple(scans[name].labels.get(i, 0) for i in range(len(classes))))
                   for name, sh in shards.items()}
-        manifest = Manifest(classes, splits, _stats(scans["train"].images),
-                            {"indexed_from": "foreign shards", "stats_from_samples": len(scans["train"].images),
-                             **({"note": note} if note else {})},
+        stats, undecoded = _stats(scans["train"].images, cfg.max_pixels)
+        manifest = Manifest(classes, splits, stats,
+                            {"indexed_from": "foreign shards", "max_pixels": cfg.max_pixels,
+                             "stats_from_samples": len(scans["train"].images) - len(undecoded),
+                             **({"undecoded": undecoded} if undecoded else {}), **({"note": note} if note else {})},
                             Components(image=image_ext, label=label_ext, label_bin=None, meta=None), out)
         names_ = previews.contact_sheets(manifest, out / "previews")
         manifest.outputs["previews"] = {c: f"previews/{f}" for c, f in names_.items()}

@@ -13,17 +13,19 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from fastpipe import imageguard
+
 # Closed list of rejection reasons; anything recorded in rejected.jsonl is one of these.
 REASONS = (
     "empty",  # zero bytes
     "not-an-image",  # no image format recognised
     "truncated",  # the file ends before the image data does
-    "corrupt",  # decoder error inside the data
+    "corrupt",  # decoder error inside the data, or a JPEG of more scans than libjpeg-turbo's limit (imageguard.py)
     "too-large",  # more pixels than --max-pixels (decompression-bomb guard), or a file over --max-file-size
     "unreadable",  # OS error reading the file (permissions, I/O)
     "not-a-file",  # a named pipe, device or socket (never read: it could block or never end)
     "symlink-loop",  # a folder link back into the tree: not followed
-    "bad-name",  # a file name that is not valid UTF-8
+    "bad-name",  # a file name that is not valid UTF-8; in a store, a key a URL would decode or normalise ('..', %)
     "no-class",  # a file not inside a class folder
     "other-split",  # beside SRC/train and SRC/val (e.g. SRC/test): only those two are converted
     "missing",  # a list row names a file that does not exist
@@ -32,6 +34,7 @@ REASONS = (
     "bad-label",  # a list row whose label is not one (a 0/1 cell that is 2 or 'yes', a line break, a whole document)
     "duplicate",  # same bytes as another file of the same class: one copy is kept
     "label-conflict",  # same bytes under two different labels: all copies rejected
+    "changed",  # the file's bytes changed between planning (hashing) and converting (--on-change stop: the run stops)
 )
 
 
@@ -39,7 +42,7 @@ REASONS = (
 class ImageSettings:
     short_side: int = 320
     quality: int = 90
-    max_pixels: int = 200_000_000
+    max_pixels: int = imageguard.DEFAULT_MAX_PIXELS
     # DCT-scale JPEGs down to at least this multiple of the target, then Lanczos. Measured on demo photos
     # (3264x2448 -> 427x320): gap 1 converts 1.56x as fast as gap 2, within 0.15 dB PSNR of a full decode
     # (benchmarks/bench_convert.py, docs/results/convert.json).
@@ -90,6 +93,10 @@ def to_rgb(im: Image.Image) -> Image.Image:
 def _open_checked(data: bytes, settings: ImageSettings) -> Image.Image | Rejected:
     if not data:
         return Rejected("empty", "0 bytes")
+    try:
+        imageguard.jpeg_info(data)  # a JPEG's scans, before Pillow decodes them (its pixels: below)
+    except imageguard.TooManyScans as e:
+        return Rejected("corrupt", str(e))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)

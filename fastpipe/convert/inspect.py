@@ -15,6 +15,7 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
+from fastpipe import imageguard
 from fastpipe.convert.repair import repair_indexes
 from fastpipe.errors import DataError
 from fastpipe.manifest import Manifest, load
@@ -93,7 +94,9 @@ def _check_sample(m: Manifest, fh, parts: dict) -> tuple[int | None, str | None]
         bad = [k for k in (label if m.multilabel else (label,)) if not 0 <= k < m.num_classes]
         if bad:
             return None, f"label {bad[0]} is outside the {m.num_classes} classes"
-        Image.open(io.BytesIO(read_member(fh, parts[m.components.image]))).load()
+        data = read_member(fh, parts[m.components.image])
+        imageguard.check(data, imageguard.data_set_limit(m.settings))  # refused here too: --repair drops it
+        Image.open(io.BytesIO(data)).load()
     except Exception as e:  # any failure here is a finding to report, not a crash
         # PIL names the buffer by its address: repaired.jsonl should say the same thing on every run
         return label, f"{type(e).__name__}: {_BUFFER.sub('the image bytes', str(e))}"

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from fastpipe import imageguard
 from fastpipe.manifest import Manifest
 from fastpipe.shardformat import decode_label, read_index, read_member
 from fastpipe.util import atomic_write_bytes
@@ -60,16 +61,18 @@ def _tile(data: bytes) -> Image.Image:
     return im
 
 
-def _sheet(job: tuple[str, int, list[bytes], int]) -> bytes:
+def _sheet(job: tuple[str, int, list[bytes], int, int]) -> bytes:
     """One class's contact sheet as JPEG bytes. `job`: the class name, its sample count, the picked images' bytes,
-    the side of the grid."""
-    name, count, images, side = job
+    the side of the grid, the data set's max_pixels (an image whose header does not pass imageguard.check is not
+    decoded: an empty tile)."""
+    name, count, images, side, max_pixels = job
     sheet = Image.new("RGB", (GAP + side * (CELL + GAP), TITLE + side * (CELL + GAP)), (30, 30, 30))
     ImageDraw.Draw(sheet).text((8, 8), f"{name[:60]}  ({count} samples, {len(images)} shown)", fill=(240, 240, 240))
     for i, data in enumerate(images):
         try:
+            imageguard.check(data, max_pixels)
             tile = _tile(data)
-        except (OSError, ValueError, SyntaxError):
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
             continue  # an undecodable sample: the loaders skip it, inspect --verify names it
         x, y = GAP + (i % side) * (CELL + GAP), TITLE + (i // side) * (CELL + GAP)
         sheet.paste(tile, (x + (CELL - tile.width) // 2, y + (CELL - tile.height) // 2))
@@ -124,7 +127,8 @@ def from_candidates(parts: list[dict], classes, seed: int, per_class: int = 9) -
     return out
 
 
-def draw(picked: list[tuple[int, list]], classes, folder: Path, read, pool=None, per_class: int = 9) -> dict[str, str]:
+def draw(picked: list[tuple[int, list]], classes, folder: Path, read, pool=None, per_class: int = 9,
+         max_pixels: int = imageguard.DEFAULT_MAX_PIXELS) -> dict[str, str]:
     """Write folder/<file>.jpg for each class from (count, locations) per class, the images' bytes got by `read`
     (one call: a store fetches them together); returns {class: file name}. With `pool` (the converter's
     processes, idle by now), the sheets are drawn in parallel."""
@@ -132,7 +136,7 @@ def draw(picked: list[tuple[int, list]], classes, folder: Path, read, pool=None,
     names = preview_names(classes)
     side = int(np.ceil(np.sqrt(per_class)))
     images = iter(read([loc for _, where in picked for loc in where]))
-    jobs = [(name, n, [next(images) for _ in where], side) for name, (n, where) in zip(classes, picked)]
+    jobs = [(name, n, [next(images) for _ in where], side, max_pixels) for name, (n, where) in zip(classes, picked)]
     for (name, *_), data in zip(jobs, pool.imap(_sheet, jobs) if pool else map(_sheet, jobs)):
         atomic_write_bytes(folder / names[name], data)
     return names
@@ -141,4 +145,5 @@ def draw(picked: list[tuple[int, list]], classes, folder: Path, read, pool=None,
 def contact_sheets(manifest: Manifest, folder: Path, seed: int = 0, per_class: int = 9, pool=None) -> dict[str, str]:
     """Previews of a local data set: `per_class` random images of each class."""
     picked = _pick(_locate_by_class(manifest), manifest.classes, np.random.default_rng(seed), per_class)
-    return draw(picked, manifest.classes, folder, read_local(manifest.root), pool, per_class)
+    return draw(picked, manifest.classes, folder, read_local(manifest.root), pool, per_class,
+                imageguard.data_set_limit(manifest.settings))

@@ -11,6 +11,11 @@ the device, where they are free and the copy is 4x smaller):
   neither libjpeg path converts (CMYK), and where simplejpeg/OpenCV are not installed.
 "auto" uses the first that can take each file and falls back to the next when it fails on it, so a sample
 decodes (or fails) as it did with the full-decode path alone.
+
+No decoder is given a file its header does not clear first (imageguard.py): more pixels than the data set's
+max_pixels, or a JPEG of more scans than libjpeg-turbo's limit, raises `imageguard.Refused` (the loader skips and
+counts the sample). The crop decoder reads the header itself and stops at the scan limit as it decodes; simplejpeg
+and Pillow are given a file only after imageguard.check has walked its markers.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ import math
 import numpy as np
 from PIL import Image
 
+from fastpipe import imageguard
 from fastpipe.errors import MissingDependency
+from fastpipe.imageguard import DEFAULT_MAX_PIXELS
 from fastpipe.loaders import jpegcrop
 
 RESAMPLE = Image.Resampling.BILINEAR  # Pillow's bilinear is antialiased when shrinking, like torchvision's
@@ -106,48 +113,55 @@ def _fast(data: bytes, w: int, h: int, box, size: int, flip: bool, out: np.ndarr
     return _resize_flip(crop, size, flip, out)
 
 
-def _crop(data: bytes, w: int, h: int, box, size: int, flip: bool, out: np.ndarray | None) -> np.ndarray:
-    """The crop decoder: the box alone, at the power-of-two scale that still covers the output, then as _fast."""
-    denom = jpegcrop.scale_for(w, h, box, size)
+def _crop(data: bytes, w: int, h: int, box, size: int, flip: bool, out: np.ndarray | None,
+          sampling) -> np.ndarray:
+    """The crop decoder: the box alone, at the power-of-two scale that still covers the output (scale 1 for a sampling
+    whose scaled crops this libjpeg-turbo gets wrong: jpegcrop.scaled_crops), then as _fast."""
+    denom = jpegcrop.scale_for(w, h, box, size, sampling)
     sx, sy = -(-w // denom) / w, -(-h // denom) / h  # libjpeg's scaled size is rounded up
     crop = jpegcrop.decode_box(data, denom, (round(box[0] * sx), round(box[1] * sy), round(box[2] * sx),
                                              round(box[3] * sy)))
     return _resize_flip(crop, size, flip, out)
 
 
-def _header(data: bytes, decoder: str):
-    """(w, h, path): path is "crop", "fast" (simplejpeg) or "pillow", the first that can take this file."""
+def _header(data: bytes, decoder: str, max_pixels: int):
+    """(w, h, path, sampling): path is "crop", "fast" (simplejpeg) or "pillow", the first that can take this file;
+    sampling (the crop decoder's) the JPEG's sampling factors. Raises imageguard.Refused for a file no decoder may
+    touch."""
     if decoder in ("auto", "crop") and jpegcrop.ext is not None and cv2 is not None:
         try:
-            w, h, ok = jpegcrop.header(data)
+            w, h, ok, sampling = jpegcrop.header(data)
             if ok:
-                return w, h, "crop"
+                imageguard.check_size(w, h, max_pixels)  # scans: the crop decoder stops at the limit itself
+                return w, h, "crop", sampling
         except jpegcrop.Error:
             pass  # not a JPEG (or a damaged header): the paths below decide, as before
     elif decoder == "crop":
         jpegcrop.require()
         raise MissingDependency("decoder='crop' needs opencv-python-headless installed (it resizes the box)")
+    seen = imageguard.check(data, max_pixels)  # what simplejpeg and Pillow would trust: pixels, scans
     if decoder != "pillow" and simplejpeg is not None:
         try:
             h, w, colorspace, _ = simplejpeg.decode_jpeg_header(data)
             if colorspace in ("YCbCr", "Gray", "RGB"):
-                return w, h, "fast"
+                return w, h, "fast", None
         except ValueError:
             pass  # not a JPEG (or a damaged header): Pillow decides
     if decoder == "simplejpeg" and simplejpeg is None:
         raise MissingDependency("decoder='simplejpeg' needs simplejpeg and opencv-python-headless installed")
-    return *Image.open(io.BytesIO(data)).size, "pillow"
+    return *(seen or Image.open(io.BytesIO(data)).size), "pillow", None
 
 
-def _decode(data: bytes, size: int, box_of, decoder: str, out: np.ndarray | None) -> np.ndarray:
-    w, h, path = _header(data, decoder)
+def _decode(data: bytes, size: int, box_of, decoder: str, out: np.ndarray | None, max_pixels: int) -> np.ndarray:
+    w, h, path, sampling = _header(data, decoder, max_pixels)
     box, flip = box_of(w, h)  # drawn once, whichever decoder ends up decoding: the draws never change
     if path == "crop":
         try:
-            return _crop(data, w, h, box, size, flip, out)
+            return _crop(data, w, h, box, size, flip, out, sampling)
         except jpegcrop.Error:
             if decoder == "crop":
                 raise
+            imageguard.check(data, max_pixels)  # before simplejpeg trusts it (the scan limit, say)
             path = "fast"  # a header the crop decoder read is one simplejpeg reads: it decides, as before
     if path == "fast":
         try:
@@ -164,16 +178,17 @@ def _decode(data: bytes, size: int, box_of, decoder: str, out: np.ndarray | None
 
 
 def decode_train(data: bytes, size: int, rng: np.random.Generator, min_scale: float = 0.08,
-                 decoder: str = "auto", out: np.ndarray | None = None) -> np.ndarray:
+                 decoder: str = "auto", out: np.ndarray | None = None,
+                 max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
     """RandomResizedCrop(size) + horizontal flip with probability 1/2 → uint8 HWC (into `out` if given:
     the loader decodes straight into its batch buffer, saving a copy per image)."""
-    return _decode(data, size, lambda w, h: draw_train_params(w, h, rng, min_scale), decoder, out)
+    return _decode(data, size, lambda w, h: draw_train_params(w, h, rng, min_scale), decoder, out, max_pixels)
 
 
 def decode_val(data: bytes, size: int, crop: float = 0.875, decoder: str = "auto",
-               out: np.ndarray | None = None) -> np.ndarray:
+               out: np.ndarray | None = None, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
     """Resize the short side to size / crop, centre crop size x size → uint8 HWC."""
-    return _decode(data, size, lambda w, h: (center_crop_box(w, h, size, crop), False), decoder, out)
+    return _decode(data, size, lambda w, h: (center_crop_box(w, h, size, crop), False), decoder, out, max_pixels)
 
 
 def draw_train_params(w: int, h: int, rng: np.random.Generator, min_scale: float = 0.08):
@@ -182,15 +197,17 @@ def draw_train_params(w: int, h: int, rng: np.random.Generator, min_scale: float
     return box, bool(rng.random() < 0.5)
 
 
-def decode_box(data: bytes, size: int, box, flip: bool, out: np.ndarray | None = None) -> np.ndarray:
+def decode_box(data: bytes, size: int, box, flip: bool, out: np.ndarray | None = None,
+               max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
     """A box and flip drawn elsewhere (the nvjpeg backend's workers) → uint8 HWC, by the "auto" decoders."""
-    return _decode(data, size, lambda w, h: (box, flip), "auto", out)
+    return _decode(data, size, lambda w, h: (box, flip), "auto", out, max_pixels)
 
 
-def jpeg_size(data: bytes) -> tuple[int, int]:
-    """(w, h) from the header alone."""
-    w, h, _ = _header(data, "auto")
-    return w, h
+def jpeg_size(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[int, int]:
+    """(w, h) from the header alone, after the checks every decoder's input passes (imageguard.check): the nvjpeg
+    backend hands the device only files that passed them."""
+    size = imageguard.check(data, max_pixels)
+    return size or _header(data, "auto", max_pixels)[:2]
 
 
 def active(decoder: str = "auto") -> str:

@@ -11,12 +11,16 @@ converted to RGB by it: cpu_ops hands them to Pillow, as before.
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 import threading
+from pathlib import Path
 
 import numpy as np
 
 from fastpipe.errors import MissingDependency
+from fastpipe.imageguard import MAX_SCANS
 
 try:
     from fastpipe import _jpegcrop as ext
@@ -32,11 +36,69 @@ Error = ext.Error if ext is not None else ValueError
 _local = threading.local()  # a scratch buffer per thread: the decode runs without the GIL
 
 
+# Chroma subsampling (a component's sampling factors against the largest) whose DCT-scaled crops equal a full
+# decode's at every scale, on libjpeg-turbo 2.1.5 (tests/test_jpegcrop.py checks each one a JPEG may declare). Not 4x2
+# and 2x4: before libjpeg-turbo 3.0.0, jpeg_crop_scanline() miscalculated those components' width when scaling, and
+# the colour conversion read uninitialised memory (its 3.0.0 ChangeLog; boxes differed by up to 202 grey levels here).
+# Such files are decoded at scale 1. A whole-image decode does not crop: simplejpeg's and Pillow's scaled decodes are
+# right at any version (the same test compares them).
+SCALED_CROPS = frozenset({(1, 1), (2, 1), (1, 2), (2, 2), (3, 1), (1, 3), (4, 1), (1, 4), (3, 2), (2, 3)})
+FIXED_IN = (3, 0, 0)  # the libjpeg-turbo that scales 4x2 and 2x4 crops right
+
+
+def scaled_crops(sampling) -> bool:
+    """Whether a DCT-scaled crop of a JPEG with these sampling factors is a full decode's on the libjpeg-turbo in use
+    (an unknown version is taken as an affected one)."""
+    hs, vs = [h for h, _ in sampling], [v for _, v in sampling]
+    if not sampling or min(hs + vs) < 1:
+        return False
+    ratios = {(max(hs) / h, max(vs) / v) for h, v in sampling}
+    return ratios <= (SCALED_CROPS | {(4, 2), (2, 4)} if crops_fixed() else SCALED_CROPS)
+
+
+def crops_fixed() -> bool:
+    """Whether the libjpeg-turbo in use is one that scales 4x2 and 2x4 crops right (FIXED_IN or later)."""
+    return tuple(int(x) for x in (runtime_version() or "0").split(".")) >= FIXED_IN
+
+
+@functools.cache
+def runtime_version() -> str | None:
+    """The libjpeg-turbo the extension runs with (its headers' may be another's): the version text inside the library
+    file that holds jpeg_std_error, found with dladdr. None where that cannot be read."""
+    if ext is None:
+        return None
+    import ctypes
+
+    class Info(ctypes.Structure):
+        _fields_ = [("fname", ctypes.c_char_p), ("fbase", ctypes.c_void_p), ("sname", ctypes.c_char_p),
+                    ("saddr", ctypes.c_void_p)]
+
+    try:
+        dladdr = ctypes.CDLL(None).dladdr
+        dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(Info)]
+        info = Info()
+        symbol = ctypes.cast(ctypes.CDLL(ext.__file__).jpeg_std_error, ctypes.c_void_p)  # through its own dependency
+        return version_in(info.fname.decode()) if dladdr(symbol, ctypes.byref(info)) and info.fname else None
+    except (OSError, AttributeError, UnicodeDecodeError):
+        return None
+
+
+def version_in(path) -> str | None:
+    """The libjpeg-turbo version that a library file carries (also one linked statically into a module)."""
+    try:
+        found = re.search(rb"libjpeg-turbo version (\d+\.\d+\.\d+)", Path(path).read_bytes())
+    except OSError:
+        return None
+    return found.group(1).decode() if found else None
+
+
 def describe() -> str:
     """One line for doctor, describe() and benchmark JSON: which decoder runs, or why this one does not."""
     if ext is None:
         return f"full decode (crop decoder absent: {absent})"
-    return f"crop-aware (fastpipe._jpegcrop, libjpeg-turbo {ext.LIBJPEG_TURBO_VERSION} headers)"
+    used, built = runtime_version() or "unknown", ext.LIBJPEG_TURBO_VERSION
+    tail = ")" if used == built else f", built with {built})"
+    return f"crop-aware (fastpipe._jpegcrop, libjpeg-turbo {used}{tail}"
 
 
 def require() -> None:
@@ -47,17 +109,19 @@ def require() -> None:
                                 f"fastpipe (pip install -e .), or use cpu_decoder='auto'")
 
 
-def header(data) -> tuple[int, int, bool]:
-    """(width, height, whether the crop decoder takes it); raises Error for what is not a readable JPEG header."""
-    w, h, colorspace, _progressive, _arithmetic = ext.header(data)
-    return w, h, colorspace in RGB_SOURCES
+def header(data) -> tuple[int, int, bool, tuple[tuple[int, int], ...]]:
+    """(width, height, whether the crop decoder takes it, each component's sampling factors); raises Error for what
+    is not a readable JPEG header."""
+    w, h, colorspace, _progressive, _arithmetic, sampling = ext.header(data)
+    return w, h, colorspace in RGB_SOURCES, sampling
 
 
-def scale_for(w: int, h: int, box, size: int) -> int:
+def scale_for(w: int, h: int, box, size: int, sampling=((1, 1),)) -> int:
     """The DCT scaling denominator: the smallest decode that still gives the box at least `size` pixels a side,
-    when the box is at least twice the output (as the full-decode path decides), else 1."""
+    when the box is at least twice the output (as the full-decode path decides) and a scaled crop of this sampling
+    is a full decode's on this libjpeg-turbo (scaled_crops), else 1."""
     bw, bh = box[2] - box[0], box[3] - box[1]
-    if min(bw, bh) < 2 * size:
+    if min(bw, bh) < 2 * size or not scaled_crops(sampling):
         return 1
     need_w, need_h = math.ceil(w * size / bw), math.ceil(h * size / bh)  # what the full-decode path asks for
     return next((d for d in SCALES if -(-w // d) >= need_w and -(-h // d) >= need_h), 1)
@@ -72,5 +136,5 @@ def decode_box(data, denom: int, box) -> np.ndarray:
     scratch = getattr(_local, "scratch", None)
     if scratch is None or scratch.size < need:
         scratch = _local.scratch = np.empty(max(need, 1 << 20), np.uint8)
-    dx, stride = ext.decode(data, denom, x0, y0, x1, y1, scratch)
+    dx, stride = ext.decode(data, denom, x0, y0, x1, y1, scratch, MAX_SCANS)
     return scratch[: rows * stride * 3].reshape(rows, stride, 3)[:, dx : dx + cols]

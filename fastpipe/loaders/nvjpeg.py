@@ -14,6 +14,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from fastpipe import imageguard
 from fastpipe.loaders import cpu_ops, jpegcrop
 from fastpipe.loaders.batch import HostBatch
 from fastpipe.loaders.prepare import EncodedBytes, SampleError
@@ -47,7 +48,8 @@ class NvjpegLoader(StreamLoader):
         self.crop_on_cpu = self.device.type == "cpu" and jpegcrop.ext is not None and cpu_ops.cv2 is not None
 
     def make_prepare(self):
-        return EncodedBytes(self.cfg, self.num_classes, self.manifest.multilabel)
+        self.max_pixels = imageguard.data_set_limit(self.manifest.settings)
+        return EncodedBytes(self.cfg, self.num_classes, self.manifest.multilabel, self.max_pixels)
 
     def describe(self) -> dict:
         return {**super().describe(), "decoder": cpu_ops.active() if self.crop_on_cpu else self.decoder_name}
@@ -92,7 +94,7 @@ class NvjpegLoader(StreamLoader):
         pixels = torch.empty((len(batch.data), size, size, 3), dtype=torch.uint8)
         for i, (data, box, flip) in enumerate(zip(batch.data, batch.boxes.tolist(), batch.flips.tolist())):
             try:
-                cpu_ops.decode_box(data.numpy(), size, box, flip, pixels[i].numpy())
+                cpu_ops.decode_box(data.numpy(), size, box, flip, pixels[i].numpy(), self.max_pixels)
             except Exception as e:  # any decoder failure is this sample's problem, named as on the device
                 self._failed(batch, int(batch.ids[i]), e)
                 continue

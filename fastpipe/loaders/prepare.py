@@ -6,10 +6,11 @@
   as CpuDecode), for decoding on the device.
 - Raw (DALI): the JPEG bytes as numpy arrays, for DALI's external source.
 
-A sample that fails to decode is named with its shard and key. In train batches it is replaced by a copy of a good
-sample of the same batch, so every batch keeps its shape (static shapes for torch.compile, no tiny batch for
-BatchNorm); in val batches it is left out, so accuracy never counts an image twice. With on_error="raise" the
-batch stops with the sample's name instead.
+A sample that fails to decode, or that no decoder may be given (more pixels than the data set's max_pixels, a JPEG
+of more scans than libjpeg-turbo's limit: imageguard.py, from its header), is named with its shard and key. In train
+batches it is replaced by a copy of a good sample of the same batch, so every batch keeps its shape (static shapes
+for torch.compile, no tiny batch for BatchNorm); in val batches it is left out, so accuracy never counts an image
+twice. With on_error="raise" the batch stops with the sample's name instead.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from fastpipe.errors import DataError
+from fastpipe.imageguard import DEFAULT_MAX_PIXELS
 from fastpipe.loaders import cpu_ops
 from fastpipe.loaders.batch import BufferPool, HostBatch
 from fastpipe.loaders.config import LoaderConfig
@@ -34,9 +36,11 @@ def _failure(raw: RawBatch, i: int, e: Exception) -> str:
 
 
 class _Prepare:
-    def __init__(self, cfg: LoaderConfig, num_classes: int, multilabel: bool = False):
+    def __init__(self, cfg: LoaderConfig, num_classes: int, multilabel: bool = False,
+                 max_pixels: int = DEFAULT_MAX_PIXELS):
         self.cfg, self.train = cfg, cfg.split == "train"
         self.num_classes, self.multilabel = num_classes, multilabel
+        self.max_pixels = max_pixels  # the data set's (Manifest.max_pixels)
 
     def rngs(self, epoch: int, positions) -> list[SampleRng | None]:
         """Each train sample's crop and flip generator, keyed by (seed, epoch, position in the epoch)."""
@@ -58,8 +62,9 @@ class _Prepare:
 
 
 class CpuDecode(_Prepare):
-    def __init__(self, cfg: LoaderConfig, num_classes: int, multilabel: bool, buffers: BufferPool):
-        super().__init__(cfg, num_classes, multilabel)
+    def __init__(self, cfg: LoaderConfig, num_classes: int, multilabel: bool, buffers: BufferPool,
+                 max_pixels: int = DEFAULT_MAX_PIXELS):
+        super().__init__(cfg, num_classes, multilabel, max_pixels)
         self.buffers = buffers
 
     def __call__(self, raw: RawBatch, positions, epoch: int) -> HostBatch:
@@ -99,9 +104,9 @@ class CpuDecode(_Prepare):
     def _decode(self, image, rng, out) -> None:
         cfg = self.cfg
         if self.train:
-            cpu_ops.decode_train(image, cfg.image_size, rng, cfg.min_scale, cfg.cpu_decoder, out)
+            cpu_ops.decode_train(image, cfg.image_size, rng, cfg.min_scale, cfg.cpu_decoder, out, self.max_pixels)
         else:
-            cpu_ops.decode_val(image, cfg.image_size, cfg.val_crop, cfg.cpu_decoder, out)
+            cpu_ops.decode_val(image, cfg.image_size, cfg.val_crop, cfg.cpu_decoder, out, self.max_pixels)
 
 
 class EncodedBytes(_Prepare):
@@ -109,7 +114,7 @@ class EncodedBytes(_Prepare):
         cfg, keep, boxes, flips, skipped = self.cfg, [], [], [], []
         for i, (image, rng) in enumerate(zip(raw.images, self.rngs(epoch, positions))):
             try:
-                w, h = cpu_ops.jpeg_size(image)
+                w, h = cpu_ops.jpeg_size(image, self.max_pixels)
             except Exception as e:
                 self._bad(raw, i, e, skipped)
                 continue
