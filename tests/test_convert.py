@@ -977,3 +977,42 @@ def test_ray_without_ray_installed_says_how_to_install_it(folder, tmp_path, monk
         err = capsys.readouterr().err
         assert "--ray needs Ray here and on every node" in err and "pip install 'fastpipe[ray]'" in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_photo_replaced_after_it_was_hashed_is_rejected_as_changed(tmp_path, monkeypatch, workers):
+    """The plan is made from each photo's hash; a photo replaced after hashing (here right after plan.hash_files
+    returns, before any is converted: no race) is rejected as `changed`, naming it, not converted as it now is:
+    red/img_001 replaced by a copy of red/img_002 would be a duplicate the plan never saw, and red/img_003 replaced
+    by a blue photo would be written as red. With --on-change stop the run stops at the first, naming it."""
+    from fastpipe.convert import plan
+
+    src = make_folder(tmp_path / "src", {"red": 6, "blue": 4})
+    hash_files = plan.hash_files
+
+    def hashed_then_replaced(*args, **kw):
+        found = hash_files(*args, **kw)
+        (src / "red" / "img_001.jpg").write_bytes((src / "red" / "img_002.jpg").read_bytes())
+        (src / "red" / "img_003.jpg").write_bytes((src / "blue" / "img_000.jpg").read_bytes())
+        return found
+
+    monkeypatch.setattr(plan, "hash_files", hashed_then_replaced)
+    summary = shard(cfg(src, tmp_path / "out", short_side=32, val_fraction=0.25, workers=workers))
+    changed = {r["path"]: r["detail"] for r in rejected(tmp_path / "out") if r["reason"] == "changed"}
+    assert sorted(changed) == ["red/img_001.jpg", "red/img_003.jpg"]
+    assert "its bytes changed after they were hashed for the plan" in changed["red/img_001.jpg"]
+    assert sum(summary.written.values()) == 8 and summary.rejected == Counter({"changed": 2})
+    jpegs, paths = [], []
+    for tar in sorted((tmp_path / "out").glob("*.tar")):
+        with tarfile.open(tar) as t:
+            for member in t.getmembers():
+                data = t.extractfile(member).read()
+                if member.name.endswith(".jpg"):
+                    jpegs.append(data)
+                elif member.name.endswith(".json"):
+                    paths.append(json.loads(data)["path"])
+    assert len(paths) == 8 and not {"red/img_001.jpg", "red/img_003.jpg"} & set(paths)
+    assert len(set(jpegs)) == len(jpegs)  # no photo twice
+    make_folder(src, {"red": 6, "blue": 4})  # as it was
+    with pytest.raises(DataError, match=r"red/img_00[13]\.jpg: its bytes changed .*--on-change stop"):
+        shard(cfg(src, tmp_path / "stop", short_side=32, val_fraction=0.25, workers=workers, on_change="stop"))

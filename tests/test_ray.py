@@ -363,3 +363,27 @@ def test_a_node_with_other_image_libraries_or_another_build_is_refused():
         pool._checked((CODECS, "node-b", ["jpeg"], 0.1, 2))
     with pytest.raises(ConfigError, match=r"Ray node node-c converts with fastpipe 0\.0\.1, Pillow 9\.0"):
         pool._checked(("fastpipe 0.0.1, Pillow 9.0, libjpeg-turbo 2.0", "node-c", [], 0.1, 3, 0))
+
+
+def test_a_photo_replaced_after_hashing_is_rejected_on_ray_as_in_one_process(cluster, tmp_path, monkeypatch):
+    """Each task is given the photos with the hashes the plan made them with (photos.Planned): one replaced after it
+    was hashed, before the tasks read it, is a `changed` rejection on the nodes too, not converted as it now is."""
+    import json
+
+    from conftest import make_folder
+
+    from fastpipe.convert import plan
+
+    src = make_folder(tmp_path / "src", {"red": 4, "blue": 3})
+    hash_files = plan.hash_files
+
+    def hashed_then_replaced(*args, **kw):
+        found = hash_files(*args, **kw)
+        (src / "red" / "img_001.jpg").write_bytes((src / "blue" / "img_000.jpg").read_bytes())
+        return found
+
+    monkeypatch.setattr(plan, "hash_files", hashed_then_replaced)
+    summary = shard(ShardConfig(src, tmp_path / "out", short_side=32, val_fraction=0.25, ray_address=cluster.address))
+    assert dict(summary.rejected) == {"changed": 1} and sum(summary.written.values()) == 6
+    (rejection,) = map(json.loads, (tmp_path / "out" / "rejected.jsonl").read_text().splitlines())
+    assert rejection["path"] == "red/img_001.jpg" and "changed after they were hashed" in rejection["detail"]

@@ -57,6 +57,9 @@ class ShardConfig:
     ray_address: str | None = opt(None, "the Ray cluster to join: its head node, e.g. 10.0.0.1:6379; implies --ray")
     ray_timeout: float = opt(30.0, "seconds the cluster at --ray-address (or $RAY_ADDRESS) has to answer as Ray "
                                    "before the run stops, naming it", low=1, high=3600)
+    on_change: str = opt("reject", "a photo whose bytes changed between planning (hashing) and converting: reject "
+                                   "it (recorded as 'changed', the run goes on) or stop the run, naming it",
+                         choices=("reject", "stop"))
 
     def settings(self) -> dict:
         """Everything that changes the output bytes (workers, overwrite and Ray don't)."""

@@ -8,7 +8,10 @@ through storage.Remote (bounded, retried, cut off past the limit). What the phot
 the conversion, naming the photo: a node without credentials would otherwise reject every photo it was given.
 
 The workers (local processes, or Ray tasks: onray.py) are set up once by `init_worker`, then `hash_one` and
-`convert_one` take a location each.
+`convert_one` take a location each. The plan is made from each photo's sha256 (duplicates, labels, the fingerprint):
+the converter gives `convert_one` a `Planned` location, carrying that hash, and a photo whose bytes no longer have it
+(replaced or edited since it was hashed) is a `changed` rejection, not converted as it now is: the same bytes could
+otherwise be in train under one label and in val under another, or be an unseen duplicate.
 """
 
 from __future__ import annotations
@@ -26,6 +29,19 @@ from fastpipe.errors import DataError
 from fastpipe.storage import Remote, RemoteError, is_url
 from fastpipe.stores import ObjectTooLarge
 from fastpipe.util import FileTooLarge, NotRegularFile, read_regular
+
+
+class Planned(str):
+    """A photo's location (the text itself: whatever names a photo, a dead worker's message or a Ray task's failure,
+    takes it as one) with the sha256 the plan hashed it with."""
+
+    def __new__(cls, where: str, sha256: str):
+        self = super().__new__(cls, where)
+        self.sha256 = sha256
+        return self
+
+    def __reduce__(self):  # to worker processes and Ray tasks, with the hash
+        return Planned, (str(self), self.sha256)
 
 
 def location(root: Path | str, rel: str) -> str:
@@ -71,9 +87,17 @@ def init_worker(settings: images.ImageSettings, limit: int, remote: Remote | Non
 
 
 def convert_one(where: str) -> images.Encoded | images.Rejected:
+    """The photo converted, or why not; a `Planned` one only if its bytes are still those the plan hashed."""
     settings, limit, remote = _STATE
     data = read(where, limit, remote)
-    return data if isinstance(data, images.Rejected) else images.process(data, settings)
+    if isinstance(data, images.Rejected):
+        return data
+    planned = getattr(where, "sha256", None)
+    if planned is not None and (now := hashlib.sha256(data).hexdigest()) != planned:
+        return images.Rejected("changed", f"its bytes changed after they were hashed for the plan (sha256 "
+                                          f"{planned[:12]}... then, {now[:12]}... now), so it was not converted; run "
+                                          f"the command again with --overwrite to convert the photos as they are now")
+    return images.process(data, settings)
 
 
 def hash_one(where: str) -> tuple[str, int, int] | images.Rejected:
