@@ -106,16 +106,20 @@ def amp_for(amp: str | None, cuda: bool) -> str:
 IMAGENET_MEAN_STD = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 NORMALIZE_FORMS = ("dataset (the data set's own mean/std), imagenet (what ImageNet weights were trained with) or "
                    "M1,M2,M3:S1,S2,S3 (per-channel mean and std on the 0-1 scale)")
+# The smallest std: one grey level on the 0-1 scale. Below it, a difference of one level becomes more than one std
+# (1e-300 makes every pixel infinite); a data set's channel that never varies (std 0) is normalised with it too.
+STD_FLOOR = 1 / 255
 
 
 def parse_normalize(value):
     """The normalisation setting, as typed or given in Python, in one form: "dataset", "imagenet" or the text
-    "M1,M2,M3:S1,S2,S3"; also False (uint8 output, the loaders only). True and a (mean, std) pair are accepted."""
-    if value is True or value == "dataset":
-        return "dataset"
-    if value is False or value == "imagenet":
+    "M1,M2,M3:S1,S2,S3"; also False (uint8 output, the loaders only). True and a (mean, std) pair (tuples, lists,
+    a 2 x 3 numpy array or tensor) are accepted. The text is what is used, exactly."""
+    if isinstance(value, bool):
+        return "dataset" if value else False
+    if isinstance(value, str) and value in ("dataset", "imagenet"):
         return value
-    given = value
+    given = value if isinstance(value, str) else getattr(value, "tolist", lambda: value)()  # shown on one line
     if isinstance(value, str):
         value = value.split(":") if value.count(":") == 1 else None
     try:
@@ -125,9 +129,9 @@ def parse_normalize(value):
     if len(mean) != 3 or len(std) != 3 or not all(math.isfinite(x) for x in mean + std):
         raise ConfigError(f"--normalize {given!r}: needs three finite means and three stds, one per channel (R,G,B): "
                           f"use {NORMALIZE_FORMS}")
-    if not all(0 <= m <= 1 for m in mean) or not all(0 < s <= 1 for s in std):
+    if not all(0 <= m <= 1 for m in mean) or not all(STD_FLOOR <= s <= 1 for s in std):
         raise ConfigError(f"--normalize {normalize_text(mean, std)}: mean and std are on the 0-1 scale, means "
-                          f"within 0..1 and stds within 0..1 and above 0 (ImageNet's: "
+                          f"within 0..1 and stds within 1/255 (one grey level, {STD_FLOOR:.6f})..1 (ImageNet's: "
                           f"{normalize_text(*IMAGENET_MEAN_STD)}, or say imagenet)")
     return normalize_text(mean, std)
 
@@ -138,12 +142,14 @@ def normalize_text(mean, std) -> str:
 
 
 def normalization(value, dataset_mean, dataset_std) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
-    """The (mean, std) a normalisation setting means for a data set with these statistics; None for uint8."""
+    """The (mean, std) a normalisation setting means for a data set with these statistics; None for uint8. What it
+    returns is what the loaders divide by and what runs record: a data set's std below STD_FLOOR (a channel that never
+    varies) is the floor here, in both."""
     value = parse_normalize(value)
     if value is False:
         return None
     if value == "dataset":
-        return tuple(dataset_mean), tuple(dataset_std)
+        return tuple(dataset_mean), tuple(max(float(s), STD_FLOOR) for s in dataset_std)
     if value == "imagenet":
         return IMAGENET_MEAN_STD
     mean, std = value.split(":")

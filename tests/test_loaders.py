@@ -84,10 +84,43 @@ def test_images_are_normalised_with_the_statistics_asked_for(converted, normaliz
 
 @pytest.mark.parametrize("bad,says", [("imgnet", "use dataset .*, imagenet"), ("0.5,0.5:0.2,0.2", "three"),
                                       ("123.7,116.3,103.5:58.4,57.1,57.4", "0-1 scale.*imagenet"),
-                                      (((0.5,) * 3, (0.0,) * 3), "above 0")])
+                                      (((0.5,) * 3, (0.0,) * 3), r"stds within 1/255"),
+                                      ("0.5,0.5,0.5:1e-300,1e-300,1e-300", r"1e-300.*stds within 1/255 .*\.\.1")])
 def test_a_normalisation_that_is_not_one_is_refused_with_the_forms(converted, bad, says):
     with pytest.raises(ConfigError, match=says):
         make_loader(converted, split="val", normalize=bad, num_workers=0, **KW)
+
+
+def test_a_numpy_mean_and_std_normalise_as_a_tuple_does(converted):
+    pair = ((0.5, 0.4, 0.3), (0.2, 0.25, 0.3))
+    want, _ = next(iter(make_loader(converted, split="val", normalize=pair, num_workers=0, **KW)))
+    for given in (np.array(pair), torch.tensor(pair, dtype=torch.float64)):
+        x, _ = next(iter(make_loader(converted, split="val", normalize=given, num_workers=0, **KW)))
+        assert torch.equal(x, want)
+
+
+def test_a_channel_that_never_varies_is_normalised_with_the_std_recorded(converted, tmp_path):
+    """A data set whose red channel is one value (std 0): the loader divides by the floor, one grey level, and its
+    description (what a run records) says that number, not the 0 it would divide by."""
+    from dataclasses import replace
+
+    from fastpipe.manifest import Stats, save
+    from fastpipe.options import STD_FLOOR
+
+    out = tmp_path / "flat"
+    shutil.copytree(converted, out)
+    m = load(out)
+    s = m.stats
+    flat = Stats(s.pixels, s.sum, (s.sum[0] ** 2 / s.pixels, *s.sumsq[1:]))  # red: sumsq/n == mean**2
+    save(replace(m, stats=flat), out)
+    assert load(out).std[0] == 0
+    raw, _ = next(iter(make_loader(out, split="val", normalize=False, num_workers=0, **KW)))
+    loader = make_loader(out, split="val", num_workers=0, **KW)
+    x, _ = next(iter(loader))
+    used = loader.describe()["normalization"]
+    assert used["std"] == (STD_FLOOR, *flat.std[1:])
+    mean, std = (torch.tensor(used[k]).view(1, 3, 1, 1) for k in ("mean", "std"))
+    assert torch.allclose(x, (raw.float() / 255 - mean) / std, atol=1e-4)
 
 
 def test_backends_agree_on_val_images(converted):

@@ -56,10 +56,11 @@ class DeviceStep:
         self.device, self.normalize = device, normalize
         self.augment = augment  # a DeviceAugment (train batches), or None
         self.gen: torch.Generator | None = None  # the current batch's augmentation generator
-        # Scaled by 255 so that the uint8 input is normalised in one subtract and one divide. A channel that never
-        # varies (std 0: a synthetic set, one grey image) would divide by zero: at least one grey level.
+        # Scaled by 255 so that the uint8 input is normalised in one subtract and one divide. Used as given: the std
+        # is at least one grey level already (options.parse_normalize refuses less, options.normalization floors a
+        # data set's), so what a run records is what divides.
         self.mean = torch.tensor(mean, device=device, dtype=torch.float32).view(1, 3, 1, 1) * 255
-        self.std = torch.tensor(std, device=device, dtype=torch.float32).view(1, 3, 1, 1).clamp(min=1 / 255) * 255
+        self.std = torch.tensor(std, device=device, dtype=torch.float32).view(1, 3, 1, 1) * 255
 
     def draw(self, key: tuple[int, ...]):
         """Key this batch's augmentation draws (from epoch, position and rank only); the host-side generator that
