@@ -544,6 +544,28 @@ def test_shard_from_a_bucket_gives_the_local_bytes_and_refuses_the_same_files(tm
     assert f"rejected {sum(local.rejected.values())} (2 hidden/system files ignored)" in said
 
 
+def test_keys_with_dot_segments_are_bad_names_not_hidden_files(tmp_path, s3_bucket, monkeypatch):
+    """A store keeps 'photos/red/../escape.jpg' as written (no folder on disk can hold it): discovery refuses it as
+    bad-name, a rejection rejected.jsonl records, not one of the hidden files it only counts."""
+    from conftest import aws_env
+
+    from fastpipe.convert.discovery import discover
+
+    aws_env(monkeypatch, s3_bucket[0], tmp_path)
+    _upload(make_folder(tmp_path / "photos", {"red": 2, "green": 2}), "s3://leafs/raw/dots")
+    import s3fs
+
+    endpoint, opts = s3_bucket
+    fs = s3fs.S3FileSystem(**{**opts, "client_kwargs": {**opts["client_kwargs"], "endpoint_url": endpoint}},
+                           skip_instance_cache=True)
+    for key in ("red/../escape.jpg", "red/./here.jpg", "red/.DS_Store"):
+        fs.pipe(f"leafs/raw/dots/{key}", b"\xff\xd8 not read")
+    source = discover("s3://leafs/raw/dots")
+    assert sorted((r.path, r.reason) for r in source.rejections) == [("red/../escape.jpg", "bad-name"),
+                                                                      ("red/./here.jpg", "bad-name")]
+    assert source.ignored == 1 and len(source.items) == 4
+
+
 def test_a_list_in_a_bucket_takes_paths_and_urls_inside_its_folder_only(tmp_path, s3_bucket, monkeypatch):
     """A CSV in a bucket: rows relative to its folder or URLs inside it give the shards of the same list on disk; a
     row leaving the folder (another prefix, '..', a URL with keys in it) is refused as outside-root, its keys not

@@ -4,8 +4,10 @@ A folder URL is listed, once (never a request per photo), and its names are read
 tree: class folders, or SRC/train + SRC/val; hidden and system names ignored; a file outside a class folder
 refused. A list URL (ending in .csv, .txt, ...) is fetched and read as a list on disk is (lists.py), each row's path
 relative to the list's folder, or a URL inside that folder. Every name is held to the URL policy
-(urls.check_relative): what is checked is exactly what the store is asked for. An object over --max-file-size is
-refused from the listing's size, without being read. An http(s) server has no listing: there, SRC must be a list.
+(urls.check_relative): what is checked is exactly what the store is asked for; a key with a '.' or '..' segment
+(photos/cat/../x.jpg), which a store keeps as written, is a `bad-name` rejection, not a hidden name. An object over
+--max-file-size is refused from the listing's size, without being read. An http(s) server has no listing: there, SRC
+must be a list.
 
 The photos themselves are read later, by whichever process converts them (photos.py), through storage.Remote.
 """
@@ -52,7 +54,8 @@ def _classify(found: list[tuple[str, int]], limit: int) -> tuple[list[Item], lis
     visible = []
     for rel, size in found:
         segs = rel.split("/")
-        first = next((k for k, s in enumerate(segs) if is_hidden(s)), None)
+        # '.' and '..' are not hidden names: a store keeps them literally, and no folder on disk can hold them
+        first = next((k for k, s in enumerate(segs) if is_hidden(s) and s not in (".", "..")), None)
         if first is not None:  # a hidden folder counts once, as on disk, whatever it holds
             hidden.add(tuple(segs[: first + 1]))
         else:
