@@ -302,3 +302,20 @@ def test_the_extension_builds_and_loads(tmp_path):
             "m = u.module_from_spec(s); s.loader.exec_module(m); print(m.LIBJPEG_TURBO_VERSION)"
     loaded = subprocess.run([sys.executable, "-c", probe, str(so)], capture_output=True, text=True)
     assert loaded.returncode == 0 and loaded.stdout.strip()[0].isdigit(), loaded.stderr
+
+
+@built
+def test_doctor_names_the_libjpeg_turbo_each_decoder_runs_with():
+    """The crop decoder's is read from the library it loaded (the one it was built against, here), simplejpeg's from
+    its module, Pillow's as Pillow says; an affected crop decoder says which files it crops unscaled."""
+    import re
+
+    from PIL import features
+
+    from fastpipe.doctor import turbo_versions
+
+    line = turbo_versions()
+    assert jpegcrop.runtime_version() == jpegcrop.ext.LIBJPEG_TURBO_VERSION
+    assert f"crop decoder {jpegcrop.runtime_version()}" in line and re.search(r"simplejpeg \d+\.\d+\.\d+", line)
+    assert f"Pillow {features.version_feature('libjpeg_turbo')}" in line
+    assert ("4x2 and 2x4" in line) == (not jpegcrop.crops_fixed())
