@@ -92,14 +92,20 @@ def variants(out: Path, args, workers: int) -> dict:
     # conversion runs there. One row shows what that conversion costs when the "device" is this CPU.
     kw = dict(batch_size=args.batch_size, image_size=args.image_size, num_workers=workers, device="cpu",
               normalize=False)
-    tkw = kw  # default settings: buffers are reused once a batch is dropped
+    # Default settings (buffers reused once a batch is dropped), the workers as threads and as processes.
+    threads, processes = {**kw, "threads": True}, {**kw, "threads": False}
     v = {
         "webdataset (docs), float": lambda: plain_webdataset(out, args),
-        "fastpipe torch, uint8": lambda: make_loader(out, "torch", **tkw),
+        "fastpipe torch, uint8, threads": lambda: make_loader(out, "torch", **threads),
+        "fastpipe torch, uint8, processes": lambda: make_loader(out, "torch", **processes),
         "fastpipe torch, float on cpu": lambda: make_loader(out, "torch", **{**kw, "normalize": True}),
-        "fastpipe torch full decode (simplejpeg), uint8": lambda: make_loader(out, "torch", cpu_decoder="simplejpeg",
-                                                                              **tkw),
-        "fastpipe torch pillow, uint8": lambda: make_loader(out, "torch", cpu_decoder="pillow", **tkw),
+        "fastpipe torch full decode (simplejpeg), uint8, threads":
+            lambda: make_loader(out, "torch", cpu_decoder="simplejpeg", **threads),
+        "fastpipe torch full decode (simplejpeg), uint8, processes":
+            lambda: make_loader(out, "torch", cpu_decoder="simplejpeg", **processes),
+        "fastpipe torch pillow, uint8, threads": lambda: make_loader(out, "torch", cpu_decoder="pillow", **threads),
+        "fastpipe torch pillow, uint8, processes": lambda: make_loader(out, "torch", cpu_decoder="pillow",
+                                                                       **processes),
         "fastpipe nvjpeg cpu-decode, uint8": lambda: make_loader(out, "nvjpeg", **kw),
         "fastpipe dali cpu, uint8": lambda: make_loader(out, "dali", **kw),
     }
@@ -177,11 +183,11 @@ def main(args) -> dict:
                 r["vs_bound"] = r["img_per_s"] / (best * workers)
         print("per-core bound, decode + random-resized-crop + flip -> uint8, one process: "
               + ", ".join(f"{k} {v:,.0f} img/s" for k, v in per_core.items()))
-        print(f"{'variant':40s} {'img/s':>8s} {'range':>15s} {'vs docs':>8s} {'vs bound':>9s}")
+        print(f"{'variant':58s} {'img/s':>8s} {'range':>15s} {'vs docs':>8s} {'vs bound':>9s}")
         for name, r in rows.items():
             base = rows.get(f"webdataset (docs), float [{r['workers']}w]", {}).get("img_per_s")
             r["vs_webdataset_docs"] = r["img_per_s"] / base if base else None
-            print(f"{name:40s} {r['img_per_s']:8,.0f} {r['low']:7,.0f}-{r['high']:<7,.0f} "
+            print(f"{name:58s} {r['img_per_s']:8,.0f} {r['low']:7,.0f}-{r['high']:<7,.0f} "
                   f"{(r['vs_webdataset_docs'] or 0):7.2f}x {r['vs_bound']:8.2f}")
         m = load(out)
         result = {"benchmark": "loaders", "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),

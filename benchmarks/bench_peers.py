@@ -1,6 +1,6 @@
 """fastpipe against its peers — litdata, Mosaic streaming, webdataset — on the same photos and the same work, in one
 run, interleaved: conversion, the per-sample machinery, and loading (with fastpipe's decode, and with each peer's
-idiomatic simplejpeg + torchvision v2 decode).
+idiomatic simplejpeg + torchvision v2 decode; fastpipe's workers as threads and as processes).
 
     scripts/peers_env.sh          # once: .peers/, a venv with the peers beside fastpipe's own .venv
     .peers/bin/python benchmarks/bench_peers.py --rounds 9 --json docs/results/peers.json
@@ -38,6 +38,10 @@ from fastpipe.util import reuse_freed_memory
 
 BATCH, SIZE = 64, 224
 BOUND = "one-process decode bound"
+# fastpipe's loader with its workers as threads of the training process (the default with the crop decoder or
+# simplejpeg + OpenCV) and as processes; the first is the one the peers are compared with.
+FASTPIPE = {"fastpipe, threads": True, "fastpipe, processes": False}
+HEAD = "fastpipe, threads"
 SETTINGS = ImageSettings()
 
 
@@ -339,9 +343,9 @@ def loaders(paths: dict, workers: int) -> dict:
 
     from fastpipe import make_loader
 
-    def fastpipe():
+    def fastpipe(threads):
         loader = make_loader(paths["fastpipe"], "torch", batch_size=BATCH, image_size=SIZE, num_workers=workers,
-                             device="cpu", normalize=False)
+                             threads=threads, device="cpu", normalize=False)
         return loader, loader.set_epoch
 
     def litdata(decode):
@@ -370,7 +374,7 @@ def loaders(paths: dict, workers: int) -> dict:
             .batched(BATCH, partial=False)
         return wds.WebLoader(ds, batch_size=None, num_workers=workers, persistent_workers=True), lambda e: None
 
-    out = {"fastpipe": fastpipe}
+    out = {name: (lambda t=threads: fastpipe(t)) for name, threads in FASTPIPE.items()}
     for d in DECODERS:
         out[f"litdata, {d} decode"] = lambda d=d: litdata(d)
         out[f"mosaic, {d} decode"] = lambda d=d: mosaic(d)
@@ -449,11 +453,13 @@ def report(args, conv, over, mach, load_runs, photos_n) -> dict:
     rate = {k: spread([r["img_per_s"] for r in v]) for k, v in load_runs.items()}
     first = {k: spread([r["first_epoch_s"] for r in v]) for k, v in load_runs.items()}
     # Ratios of paired rounds (the same round's runs), then their median: drift cancels within a round.
-    paired = {k: spread([a["img_per_s"] / b["img_per_s"] for a, b in zip(load_runs["fastpipe"], v)])
-              for k, v in load_runs.items() if k != "fastpipe"}
-    vs_bound = spread([a["img_per_s"] / (args.workers * b["img_per_s"]) for a, b in zip(load_runs["fastpipe"], bound)])
-    first_vs = {k: spread([b["first_epoch_s"] / a["first_epoch_s"] for a, b in zip(load_runs["fastpipe"], v)])
-                for k, v in load_runs.items() if k != "fastpipe"}
+    head = load_runs[HEAD]
+    paired = {k: spread([a["img_per_s"] / b["img_per_s"] for a, b in zip(head, v)])
+              for k, v in load_runs.items() if k != HEAD}
+    vs_bound = {k: spread([a["img_per_s"] / (args.workers * b["img_per_s"]) for a, b in zip(load_runs[k], bound)])
+                for k in FASTPIPE}
+    first_vs = {k: spread([b["first_epoch_s"] / a["first_epoch_s"] for a, b in zip(head, v)])
+                for k, v in load_runs.items() if k != HEAD}
     return {"photos": photos_n, "workers": args.workers, "rounds": args.rounds, "batch": BATCH, "size": SIZE,
             "conversion": {**conv, **over},
             "machinery_us": {k: spread(v) for k, v in mach.items()},
@@ -495,15 +501,15 @@ def table(res: dict) -> str:
     m, ld = res["machinery_us"], res["loading"]
     lines += ["", "per-sample machinery (µs: bytes fetched, shuffled, handed to decode; one process):"]
     lines += [f"  {k:<12} {v['median']:8.2f}  ({v['low']:.2f}-{v['high']:.2f})" for k, v in m.items()]
-    lines += ["", "loading, images/s after the first epoch; first epoch (s); fastpipe ÷ it (paired rounds):"]
+    lines += ["", f"loading, images/s after the first epoch; first epoch (s); {HEAD} ÷ it (paired rounds):"]
     for k, v in ld["img_per_s"].items():
         ratio = ld["fastpipe_over_peer"].get(k)
         lines.append(f"  {k:<28} {v['median']:8.0f}  ({v['low']:.0f}-{v['high']:.0f})  "
                      f"{ld['first_epoch_s'][k]['median']:6.2f} s"
                      + (f"   {ratio['median']:.2f} ({ratio['low']:.2f}-{ratio['high']:.2f})" if ratio else ""))
-    b, vb = ld["bound_per_process"], ld["fastpipe_vs_bound"]
-    lines.append(f"  one-process decode bound {b['median']:.0f} img/s ({b['low']:.0f}-{b['high']:.0f}); fastpipe ÷ "
-                 f"(workers × bound) {vb['median']:.2f} ({vb['low']:.2f}-{vb['high']:.2f})")
+    b = ld["bound_per_process"]
+    lines.append(f"  one-process decode bound {b['median']:.0f} img/s ({b['low']:.0f}-{b['high']:.0f}); ÷ (workers × "
+                 f"bound): " + ", ".join(f"{k} {_r(v)}" for k, v in ld["fastpipe_vs_bound"].items()))
     return "\n".join(lines)
 
 

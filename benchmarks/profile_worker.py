@@ -3,6 +3,7 @@
 reading, labels) and batch assembly.
 
     python benchmarks/profile_worker.py --shards OUT [--epochs 6] [--json bench-results/worker-profile.json]
+    python benchmarks/profile_worker.py --shards OUT --gil   # the share of it that holds the GIL (worker threads)
 
 cProfile adds a fixed cost per Python call, so the Python-heavy groups (machinery, draws) read high; the split is
 what to optimise next, the loaders' speed comes from bench_loaders.py and bench_peers.py.
@@ -65,16 +66,69 @@ def profile(shards: str, epochs: int) -> dict:
             "share": {g: t / total for g, t in groups.items()}, "total_us_per_image": 1e6 * total / images}
 
 
+def gil_held(shards: str, epochs: int) -> dict:
+    """µs per image the worker's path holds the GIL: its wall time less the time inside the calls that release it
+    (the crop decoder's decode, simplejpeg's, OpenCV's resize and flip), timed by wrapping them; no profiler. What
+    worker threads cannot run in parallel, and where they queue on the GIL."""
+    import time
+
+    from fastpipe.loaders import cpu_ops, jpegcrop
+
+    inside = [0.0]
+
+    def timed(fn):
+        def call(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                inside[0] += time.perf_counter() - t
+        return call
+
+    torch.set_num_threads(1)
+    loader = make_loader(shards, "torch", batch_size=64, image_size=224, num_workers=0, device="cpu",
+                         normalize=False)
+    targets = [(cpu_ops.cv2, "resize"), (cpu_ops.cv2, "flip"), (cpu_ops.simplejpeg, "decode_jpeg")]
+    targets += [(jpegcrop.ext, "decode")] if jpegcrop.ext is not None else []
+
+    def run():
+        n = 0
+        for e in range(epochs):
+            loader.set_epoch(e)
+            n += sum(len(x) for x, _ in loader)
+        return n
+
+    run()  # warm
+    saved = [(m, name, getattr(m, name)) for m, name in targets]
+    for m, name, fn in saved:
+        setattr(m, name, timed(fn))
+    try:
+        t = time.perf_counter()
+        images = run()
+        wall = time.perf_counter() - t
+    finally:
+        for m, name, fn in saved:
+            setattr(m, name, fn)
+    return {"images": images, "us_per_image": 1e6 * wall / images,
+            "gil_held_us_per_image": 1e6 * (wall - inside[0]) / images, "gil_held_share": 1 - inside[0] / wall}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shards", required=True)
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--gil", action="store_true", help="the GIL's share instead: µs per image that hold it")
     a = ap.parse_args(argv)
-    res = profile(a.shards, a.epochs)
-    print(f"{res['images']} images, {res['total_us_per_image']:.0f} µs each under the profiler")
-    for g, us in res["us_per_image"].items():
-        print(f"  {g:<42} {us:8.1f} µs  {res['share'][g]:6.1%}")
+    if a.gil:
+        res = gil_held(a.shards, a.epochs)
+        print(f"{res['images']} images, {res['us_per_image']:.0f} µs each, of which {res['gil_held_us_per_image']:.1f}"
+              f" µs ({res['gil_held_share']:.1%}) hold the GIL")
+    else:
+        res = profile(a.shards, a.epochs)
+        print(f"{res['images']} images, {res['total_us_per_image']:.0f} µs each under the profiler")
+        for g, us in res["us_per_image"].items():
+            print(f"  {g:<42} {us:8.1f} µs  {res['share'][g]:6.1%}")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(res, indent=1))

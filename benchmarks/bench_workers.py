@@ -1,0 +1,234 @@
+"""Worker threads against worker processes (the torch backend, the same shards and settings): images/s over full
+epochs, the first epoch (construction + one epoch, in a fresh process as a user's script meets it), the whole
+loader's memory and the /dev/shm it maps, against the one-process decode bound.
+
+Memory is anonymous memory (heap, buffers; library pages are left out: other processes on a shared machine share and
+unshare them, which moved psutil's USS of one process by 200 MB between identical runs): USS, what the training
+process gained since before the loader plus each worker process's unique part (pages a forked worker still shares
+with the training process count in neither: this understates the processes); PSS, the same with shared pages
+counted once, split among the processes sharing them. Both are taken half-way through an untimed epoch.
+
+    python benchmarks/bench_workers.py --rounds 7 --json docs/results/workers.json
+
+Every variant runs in a fresh Python process, once per round, in a shuffled order (drift in the machine's speed hits
+all alike); the load average is recorded with each round. Figures are medians over rounds with their ranges, and
+ratios are medians of each round's pairs. Work per image: decode + random-resized-crop 224 + flip -> uint8, batch 64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BOUND = "one-process decode bound"
+MODES = {"processes": False, "threads": True}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shards", help="a converted data set (default: demo photos, generated and sharded)")
+    ap.add_argument("--photos", type=int, default=1100, help="demo photos to generate without --shards")
+    ap.add_argument("--short-side", type=int, default=320)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--decoder", default="auto", help="cpu_decoder of both modes")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--epochs", type=int, default=4, help="timed epochs after the first")
+    ap.add_argument("--json", default="bench-results/workers.json")
+    ap.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # VARIANT SHARDS: one run, in this process
+    return ap.parse_args(argv)
+
+
+def make_shards(args, base: Path) -> Path:
+    from fastpipe.convert.driver import ShardConfig, shard
+    from fastpipe.demo import DemoConfig, make_demo_data
+
+    make_demo_data(DemoConfig(base / "raw", count=args.photos, width=1632, height=1224))
+    shard(ShardConfig(base / "raw", base / "shards", short_side=args.short_side, max_shard_size=4 * 2**20,
+                      val_fraction=0))
+    return base / "shards"
+
+
+def shm_bytes(pids) -> int:
+    """Bytes of /dev/shm files these processes map (each file once, however many map it)."""
+    files = {}
+    for pid in pids:
+        try:
+            lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].startswith("/dev/shm/"):
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                key = (parts[3], parts[4])  # device, inode
+                files[key] = max(files.get(key, 0), hi - lo)
+    return sum(files.values())
+
+
+def anonymous(pid: int) -> dict:
+    """A process's anonymous memory (heap, arenas, buffers; not the pages of libraries, which other processes on the
+    machine share and unshare as they come and go): its unique part (USS) and its proportional part (PSS, which
+    counts a page a forked worker still shares with the training process once across them)."""
+    uss = pss = 0
+    anon = False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split(maxsplit=5)
+        if "-" in head[0] and not head[0].endswith(":"):  # a mapping's first line: address range, perms, ..., path
+            path = head[5] if len(head) == 6 else ""
+            anon = path == "" or (path.startswith("[") and path != "[vdso]" and path != "[vvar]")
+        elif anon and head[0] in ("Private_Clean:", "Private_Dirty:"):
+            uss += int(head[1]) * 1024
+        elif anon and head[0] == "Pss:":
+            pss += int(head[1]) * 1024
+    return {"uss": uss, "pss": pss}
+
+
+def memory(base: dict) -> dict:
+    """The loader's memory now: what the training process gained since before the loader, and its workers'."""
+    import psutil
+
+    me = psutil.Process()
+    kids = me.children(recursive=True)
+    main, workers = anonymous(me.pid), [anonymous(k.pid) for k in kids]
+    return {"uss_bytes": main["uss"] - base["uss"] + sum(w["uss"] for w in workers),
+            "pss_bytes": main["pss"] - base["pss"] + sum(w["pss"] for w in workers),
+            "main_uss_bytes": main["uss"] - base["uss"], "workers_uss_bytes": sum(w["uss"] for w in workers),
+            "worker_processes": len(kids), "shm_bytes": shm_bytes([me.pid] + [k.pid for k in kids])}
+
+
+def run_bound(shards: str) -> dict:
+    """One thread, no loader: decode + random-resized-crop + flip -> uint8 of every train sample, twice."""
+    import numpy as np
+
+    from fastpipe.loaders import cpu_ops
+    from fastpipe.loaders.epoch import Piece
+    from fastpipe.loaders.shards import ShardSet
+    from fastpipe.manifest import load
+
+    s = ShardSet(load(shards), "train")
+    datas = [x.image for i, n in enumerate(s.counts) for x in s.read_piece(Piece(i, 0, n))]
+    rng, out = np.random.default_rng(0), np.empty((224, 224, 3), np.uint8)
+    for d in datas[:20]:
+        cpu_ops.decode_train(d, 224, rng, out=out)
+    t = time.perf_counter()
+    for d in datas * 2:
+        cpu_ops.decode_train(d, 224, rng, out=out)
+    return {"img_per_s": 2 * len(datas) / (time.perf_counter() - t)}
+
+
+def run_loader(shards: str, threads: bool, args) -> dict:
+    import torch
+
+    from fastpipe import make_loader
+
+    torch.set_num_threads(1)  # the training process only hands batches on here
+    base = anonymous(os.getpid())
+    t = time.perf_counter()
+    loader = make_loader(shards, "torch", batch_size=64, image_size=224, num_workers=args.workers, threads=threads,
+                         cpu_decoder=args.decoder, device="cpu", normalize=False)
+    first = sum(len(x) for x, _ in loader)
+    first_s = time.perf_counter() - t
+    n, t = 0, time.perf_counter()
+    for e in range(1, args.epochs + 1):
+        loader.set_epoch(e)
+        n += sum(len(x) for x, _ in loader)
+    rate = n / (time.perf_counter() - t)
+    loader.set_epoch(args.epochs + 1)  # an untimed epoch, measured half-way (reading smaps takes a while)
+    for i, _ in enumerate(loader):
+        if i == len(loader) // 2:
+            mem = memory(base)
+    assert loader.describe()["workers_are"] == ("threads" if threads else "processes")
+    loader.close()
+    return {"img_per_s": rate, "first_epoch_s": first_s, "first_epoch_images": first, **mem}
+
+
+def one(variant: str, shards: str, args) -> dict:
+    res = run_bound(shards) if variant == BOUND else run_loader(shards, MODES[variant], args)
+    return {**res, "load_avg_1min": os.getloadavg()[0]}
+
+
+def fresh(variant: str, shards: Path, args) -> dict:
+    from fastpipe.bench.timing import run_fresh
+
+    return run_fresh([__file__, "--one", variant, str(shards), "--workers", str(args.workers), "--decoder",
+                      args.decoder, "--epochs", str(args.epochs)], variant)
+
+
+def report(runs: dict, args, samples: int) -> dict:
+    from fastpipe.bench.timing import spread
+
+    p, t, b = runs["processes"], runs["threads"], runs[BOUND]
+
+    def paired(f):
+        return spread([f(x, y, z) for x, y, z in zip(p, t, b)])
+
+    fields = ("img_per_s", "first_epoch_s", "uss_bytes", "pss_bytes", "main_uss_bytes", "workers_uss_bytes",
+              "shm_bytes")
+    return {"workers": args.workers, "rounds": args.rounds, "train_samples": samples, "decoder": args.decoder,
+            "epochs": args.epochs, "bound_img_per_s": spread([z["img_per_s"] for z in b]),
+            "modes": {m: {f: spread([r[f] for r in runs[m]]) for f in fields} for m in MODES},
+            "threads_over_processes": paired(lambda x, y, z: y["img_per_s"] / x["img_per_s"]),
+            "threads_vs_bound": paired(lambda x, y, z: y["img_per_s"] / (args.workers * z["img_per_s"])),
+            "processes_vs_bound": paired(lambda x, y, z: x["img_per_s"] / (args.workers * z["img_per_s"])),
+            "first_epoch_processes_over_threads": paired(lambda x, y, z: x["first_epoch_s"] / y["first_epoch_s"]),
+            "uss_threads_over_processes": paired(lambda x, y, z: y["uss_bytes"] / x["uss_bytes"]),
+            "pss_threads_over_processes": paired(lambda x, y, z: y["pss_bytes"] / x["pss_bytes"]),
+            "load_avg_1min": [r["load_avg_1min"] for v in runs.values() for r in v]}
+
+
+def _r(v: dict, fmt: str = ".2f", scale: float = 1) -> str:
+    return f"{v['median'] / scale:{fmt}} ({v['low'] / scale:{fmt}}-{v['high'] / scale:{fmt}})"
+
+
+def table(res: dict) -> str:
+    mb = 2**20
+    lines = [f"{res['train_samples']} samples, {res['workers']} workers, decoder {res['decoder']}, {res['rounds']} "
+             f"rounds (median, range); load average {min(res['load_avg_1min']):.1f}-{max(res['load_avg_1min']):.1f}",
+             f"  one-process decode bound {_r(res['bound_img_per_s'], ',.0f')} img/s"]
+    for m, v in res["modes"].items():
+        lines.append(f"  {m:<10} {_r(v['img_per_s'], ',.0f')} img/s; first epoch {_r(v['first_epoch_s'])} s; "
+                     f"USS {_r(v['uss_bytes'], ',.0f', mb)} MB (training process {_r(v['main_uss_bytes'], ',.0f', mb)}"
+                     f", workers {_r(v['workers_uss_bytes'], ',.0f', mb)}); PSS {_r(v['pss_bytes'], ',.0f', mb)} MB; "
+                     f"/dev/shm {_r(v['shm_bytes'], ',.1f', mb)} MB")
+    lines += [f"  threads / processes {_r(res['threads_over_processes'])}; threads / (workers x bound) "
+              f"{_r(res['threads_vs_bound'])}, processes {_r(res['processes_vs_bound'])}; first epoch, processes / "
+              f"threads {_r(res['first_epoch_processes_over_threads'])}; USS threads / processes "
+              f"{_r(res['uss_threads_over_processes'])}, PSS {_r(res['pss_threads_over_processes'])}"]
+    return "\n".join(lines)
+
+
+def main(args) -> dict:
+    from fastpipe.manifest import load
+
+    base = Path(tempfile.mkdtemp(prefix="fp-workers-"))
+    try:
+        shards = Path(args.shards) if args.shards else make_shards(args, base)
+        runs: dict[str, list] = {k: [] for k in (*MODES, BOUND)}
+        rng = random.Random(0)
+        for r in range(args.rounds):
+            order = list(runs)
+            rng.shuffle(order)
+            for name in order:
+                runs[name].append(fresh(name, shards, args))
+            print(f"  round {r + 1}/{args.rounds} (load average {os.getloadavg()[0]:.1f})", flush=True)
+        return report(runs, args, load(shards).splits["train"].samples)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    a = parse_args()
+    if a.one:
+        print(json.dumps(one(a.one[0], a.one[1], a)))
+        sys.exit(0)
+    result = main(a)
+    print(table(result))
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps(result, indent=1))
