@@ -217,6 +217,16 @@ def test_photos_without_labels_and_broken_ones_each_get_a_row(trained, tmp_path,
     assert not (tmp_path / "n.report.json").exists()  # no labels, no accuracy
 
 
+def test_a_list_of_paths_alone_is_predicted_without_labels(trained, tmp_path):
+    src, _, run = trained
+    listed = src.parent / "paths.txt"
+    listed.write_text("path\nphotos/red/p01.jpeg\nphotos/blue/p02.jpeg\nphotos/gone.jpg\n")
+    assert main(["predict", str(run), str(listed), "--out", str(tmp_path / "l.csv")]) == 0
+    rows = read_rows(tmp_path / "l.csv")
+    assert [(r["path"], r["status"], r["label"]) for r in rows] == [
+        ("photos/red/p01.jpeg", "ok", ""), ("photos/blue/p02.jpeg", "ok", ""), ("photos/gone.jpg", "missing", "")]
+
+
 def test_last_weights_and_a_run_without_best_pt(trained, tmp_path, capsys):
     src, _, run = trained
     copy = tmp_path / "old-run"

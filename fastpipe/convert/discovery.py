@@ -13,19 +13,20 @@ from fastpipe.errors import ConfigError
 from fastpipe.storage import is_url
 
 
-def discover(src: str | os.PathLike, exclude=None, limit: int = 1 << 30, max_rows: int = MAX_ROWS) -> Source:
+def discover(src: str | os.PathLike, exclude=None, limit: int = 1 << 30, max_rows: int = MAX_ROWS,
+             unlabelled: bool = False) -> Source:
     """The items of SRC; `exclude` (the output folder or URL, when it lies inside SRC) is never entered. `limit`
     (--max-file-size): objects in a store known from their listing to be larger are refused without being read.
     `max_rows` (--max-rows): a longer list is refused before its rows are read."""
     if is_url(str(src)):
-        return from_store(str(src), exclude, limit, max_rows)
+        return from_store(str(src), exclude, limit, max_rows, unlabelled)
     src = Path(src)
     if src.is_dir():
         return from_folder(src, None if is_url(str(exclude)) else exclude)
     if src.is_file() and src.suffix.lower() in LIST_SUFFIXES:
         with open(src, "rb") as f:  # counted a MiB at a time: a list of any size is never read whole to be refused
             check_rows(iter(lambda: f.read(1 << 20), b""), str(src), max_rows)
-        return from_list(src)
+        return from_list(src, unlabelled)
     if not src.exists():
         raise ConfigError(f"{src} does not exist")
     raise ConfigError(f"{src}: expected a folder of class folders or a list file "

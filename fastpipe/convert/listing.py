@@ -24,13 +24,14 @@ BAD_NAME = ("the object's name holds what a URL would decode or normalise (%, ?,
             "empty, '.' or '..' segment): rename it")
 
 
-def from_store(url: str, exclude=None, limit: int = 1 << 30, max_rows: int = MAX_ROWS) -> Source:
+def from_store(url: str, exclude=None, limit: int = 1 << 30, max_rows: int = MAX_ROWS,
+               unlabelled: bool = False) -> Source:
     """The Source of a folder or a list (of at most `max_rows` rows) in a store. `exclude`: OUT, when it is a folder
     inside SRC's."""
     url = url.rstrip("/")
     name = url.rsplit("/", 1)[-1]
     if "." in name and "." + name.rsplit(".", 1)[-1].lower() in LIST_SUFFIXES:
-        return _list(url, max_rows)
+        return _list(url, max_rows, unlabelled)
     remote = Remote(url)
     if remote.protocol in ("http", "https"):
         raise ConfigError(f"SRC {url}: an http(s) server cannot be listed, so its photos cannot be discovered; give "
@@ -86,7 +87,7 @@ def _plain(rel: str) -> bool:
     return True
 
 
-def _list(url: str, max_rows: int) -> Source:
+def _list(url: str, max_rows: int, unlabelled: bool = False) -> Source:
     """A list in a store: fetched whole (at most 64 MiB), its rows counted, then read as lists.py reads them. Whether
     each row's object exists is found when it is read (a missing one is rejected then): a store is not asked once
     per row here."""
@@ -94,7 +95,7 @@ def _list(url: str, max_rows: int) -> Source:
     remote = Remote(folder)
     data = remote.cat(name)
     check_rows([data], url, max_rows)
-    return from_bytes(data, url, folder, lambda raw: _place(folder, raw), remote=remote)
+    return from_bytes(data, url, folder, lambda raw: _place(folder, raw), remote=remote, unlabelled=unlabelled)
 
 
 def _place(folder: str, raw: str) -> str | Rejection:

@@ -216,17 +216,21 @@ def _as_label_sets(rows, columns: list[str]) -> tuple[list, list[Rejection]]:
     return out, bad
 
 
-def from_list(list_file: Path) -> Source:
+def from_list(list_file: Path, unlabelled: bool = False) -> Source:
     """A list on this machine's disk; each row's file is checked to exist (a missing one is rejected here)."""
     root = list_file.parent
     return from_bytes(list_file.read_bytes(), str(list_file), root, lambda raw: _local_place(root, raw),
-                      lambda first: (root / first).is_file())
+                      lambda first: (root / first).is_file(), unlabelled=unlabelled)
 
 
-def from_bytes(data: bytes, where: str, root, place, names_file=lambda first: False, remote=None) -> Source:
+def from_bytes(data: bytes, where: str, root, place, names_file=lambda first: False, remote=None,
+               unlabelled: bool = False) -> Source:
     """The Source of a list's bytes. `where` names the list in messages; `place(raw)` turns a row's path into the
-    relative path of an item, or a Rejection; `names_file(cell)` says whether a first row's cell names a file."""
+    relative path of an item, or a Rejection; `names_file(cell)` says whether a first row's cell names a file.
+    `unlabelled`: a list of paths alone is taken too (its items' labels are "": what `fastpipe predict` reads)."""
     rows, header = _read_rows(data, where, names_file)
+    if unlabelled and header is None and _paths_only(rows):
+        return _paths(rows, root, place, remote)
     mode, why = _list_mode(where, header, rows)
     rejections: list[Rejection] = []
     notes = _notes(header, mode, why, rows)
@@ -254,6 +258,22 @@ def from_bytes(data: bytes, where: str, root, place, names_file=lambda first: Fa
     if multilabel:
         notes += (f"multi-label list: {len(classes)} labels",)
     return Source(root, tuple(items), tuple(rejections), classes, 0, notes, multilabel, remote)
+
+
+def _paths_only(rows) -> bool:
+    return bool(rows) and all(r and r[0].strip() and not any(c.strip() for c in r[1:]) for _, r in rows)
+
+
+def _paths(rows, root, place, remote) -> Source:
+    """A list of one path per row (a header word alone on the first row is skipped), without labels."""
+    if rows[0][1][0].strip().lower() in HEADER_WORDS:
+        rows = rows[1:]
+    items, rejections = [], []
+    for _, row in rows:
+        rel = place(row[0].strip())
+        (rejections if isinstance(rel, Rejection) else items).append(rel if isinstance(rel, Rejection)
+                                                                      else Item(rel, "", None))
+    return Source(root, tuple(items), tuple(rejections), (), 0, ("a list of paths without labels",), False, remote)
 
 
 def _notes(header: list[str] | None, mode: str, why: str, rows) -> tuple[str, ...]:

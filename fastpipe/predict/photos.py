@@ -62,7 +62,7 @@ def _collection(src: str, classes: list[str], multilabel: bool, limit: int) -> P
     if not is_url(src) and not Path(src).exists():
         raise ConfigError(f"SRC {src} does not exist")
     try:
-        source = discover(src, limit=limit)
+        source = discover(src, limit=limit, unlabelled=True)
     except DataError:  # no class folders: photos without labels, unless it is a list (its error says why)
         if listed or Path(src).is_file():
             raise
@@ -78,7 +78,7 @@ def _collection(src: str, classes: list[str], multilabel: bool, limit: int) -> P
 
 def _labelled(source: Source, note: str | None) -> Photos:
     """A source's items with their labels; its photos outside a class folder are predicted without one."""
-    items = [Photo(photos.location(source.root, i.path), i.path, i.label) for i in source.items]
+    items = [Photo(photos.location(source.root, i.path), i.path, i.label or None) for i in source.items]
     unlabelled = [r for r in source.rejections if r.reason == "no-class"]
     items += [Photo(photos.location(source.root, r.path), r.path, None) for r in unlabelled]
     rejections = tuple(r for r in source.rejections if r.reason != "no-class")
