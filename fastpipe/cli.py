@@ -212,8 +212,9 @@ def _cmd_bench(a) -> int:
     BenchConfig(**base)  # checked before torch is imported (the swept values: when the grid is made)
     from fastpipe.bench.harness import run_sweep
     from fastpipe.bench.report import plot, table, write_json
+    from fastpipe.bench.timing import process_start
 
-    result = run_sweep(BenchConfig(**base), sweep, log=lambda line: print(line, flush=True))
+    result = run_sweep(BenchConfig(**base), sweep, log=lambda line: print(line, flush=True), started=process_start())
     print(table(result))
     if a.json:
         write_json(result, a.json)

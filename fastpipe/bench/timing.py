@@ -1,11 +1,12 @@
 """Honest throughput: warm up, synchronise the device before reading the clock, median of windows, and a time
-budget that is kept (warm-up included; the number of windows shrinks when single steps are slow)."""
+budget that is kept (warm-up included; how many steps and windows each measurement gets is plan.py's)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -35,34 +36,35 @@ class Throughput:
 
 
 class Budget:
-    """Seconds for a whole run, handed out as equal shares of what is left to the measurements still to come, so
-    that one slow measurement shortens the later ones instead of overrunning the total."""
+    """Seconds for a whole run, counted from `started` (a perf_counter time: the command's own start, so that the
+    interpreter's start, the imports and the model's construction count too; default: now). None: no limit."""
 
-    def __init__(self, seconds: float | None, measurements: int):
-        self.total, self.left, self.start = seconds, measurements, time.perf_counter()
+    def __init__(self, seconds: float | None, started: float | None = None):
+        self.total = seconds
+        self.start = time.perf_counter() if started is None else started
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
-    def share(self) -> float | None:
-        if self.total is None:
-            self.left -= 1
-            return None
-        share = max(self.total - self.elapsed(), 0.0) / max(self.left, 1)
-        self.left -= 1
-        return share
-
-    def skip(self, n: int) -> None:
-        self.left -= n
-
-    def extra(self, n: int) -> None:
-        """n more measurements than planned (figures measured again): later shares shrink to make room."""
-        self.left += n
+    def left(self) -> float | None:
+        return None if self.total is None else self.total - self.elapsed()
 
     def describe(self) -> str:
-        if self.total is None:
-            return f"{self.left} measurements, no time limit"
-        return f"{self.left} measurements within {self.total:.0f} s (--max-seconds)"
+        return "no time limit" if self.total is None else f"within {self.total:.0f} s (--max-seconds)"
+
+
+def process_start() -> float:
+    """When this process started, as a perf_counter time: what a command's budget counts from (the interpreter's
+    start and the imports count too)."""
+    try:  # Linux: the start in clock ticks since boot, to the hundredth of a second
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        import psutil
+
+        age = time.time() - psutil.Process().create_time()
+    return time.perf_counter() - max(age, 0.0)
 
 
 def spread(values: list[float]) -> dict:
@@ -102,40 +104,55 @@ def cuda_sync(device) -> Callable[[], None]:
 
 
 def measure(step: Callable[[], int], *, warmup: int = 2, windows: int = 3, window_images: int = 512,
-            sync: Callable[[], None] = lambda: None, max_seconds: float | None = None) -> Throughput:
-    """Call `step()` (returns the images it processed) up to `warmup` times, then time `windows` windows of at least
-    `window_images` images each. With `max_seconds`, the whole call (warm-up included) stays within it up to one
-    step: warm-up stops after a quarter of it, the windows split the rest, and no step starts that the last one
-    says would not finish in time (at least one timed step is always taken)."""
+            window_seconds: float = 0.0, min_steps: int = 1, min_seconds: float = 0.0,
+            sync: Callable[[], None] = lambda: None, max_seconds: float | None = None,
+            hard_seconds: float | None = None) -> Throughput:
+    """Call `step()` (returns the images it processed) up to `warmup` times, then time `windows` windows; a window
+    ends once it has `window_images` images and has run `window_seconds` (what was asked). With `max_seconds`, the
+    whole call (warm-up included) keeps within it: warm-up stops after a quarter of it, and once a window has its
+    part of the floor (`min_steps`, `min_seconds`), no step starts that the last one says would end after the
+    window's share of what is left. `hard_seconds` is a limit for the floor too: no step starts that would end after
+    it (but each window timed takes one), and no window after it; the figure then falls short, and says so."""
     start = time.perf_counter()
     limit = max_seconds if max_seconds is not None else math.inf
+    hard = hard_seconds if hard_seconds is not None else math.inf
     step_s = 0.0
+
+    def late() -> bool:  # the next step, as long as the last, would end after the hard limit
+        return time.perf_counter() - start + step_s > hard
+
     for _ in range(warmup):
+        if late():
+            break
         t = time.perf_counter()
         step()
         sync()
         step_s = time.perf_counter() - t
         if time.perf_counter() - start > limit / 4:
             break
-    left = limit - (time.perf_counter() - start)
-    if step_s > 0 and math.isfinite(left):
-        windows = max(1, min(windows, int(left // step_s)))
-    per_window = left / windows
+    least, least_s = max(1, math.ceil(min_steps / windows)), min_seconds / windows
     rates, total_n, steps, timed = [], 0, 0, 0.0
-    for _ in range(windows):
+    for w in range(windows):
+        if rates and late():
+            break
+        share = (limit - (time.perf_counter() - start)) / (windows - w)
         sync()
-        w_start, n = time.perf_counter(), 0
-        while n < window_images:
-            if n and time.perf_counter() - w_start + step_s > per_window:
-                break  # the next step would end after this window's share
+        w_start, n, k = time.perf_counter(), 0, 0
+        while True:
+            spent = time.perf_counter() - w_start
+            if k and late():
+                break
+            if k >= least and spent >= least_s and (
+                    (n >= window_images and spent >= window_seconds) or spent + step_s > share):
+                break  # the window has what it asked for, or the next step would end after its share
             t = time.perf_counter()
             n += step()
-            steps += 1
+            k += 1
             step_s = time.perf_counter() - t
         sync()  # the clock is read only after the device has finished the window's work
         rates.append(n / (time.perf_counter() - w_start))
         timed += time.perf_counter() - w_start
-        total_n += n
+        total_n, steps = total_n + n, steps + k
     return Throughput(statistics.median(rates), min(rates), max(rates), total_n, time.perf_counter() - start, rates,
                       steps, timed)
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 from fastpipe.util import usable_cores
 
 MIN_STEPS, MIN_SECONDS = 5, 0.1  # what a measurement must time to carry a verdict
+LOADER_SECONDS = 1.0  # ... and a loader alone at least this long: its first batches may come from its queues
+VERDICTS = ("loader-bound", "device-bound", "balanced")
 AGREE = 1.15  # end to end may beat a single measurement's fastest window by this much (noise), not more
 BUSY_SHARE = 0.2  # other processes took a fifth of the machine's CPU: said beside the verdict
 DEVICE_BOUND = 0.90  # end to end within 10 % of the model-only rate: the device is the limit
@@ -19,11 +21,29 @@ SHARED = 0.6  # ... and end to end at 60 % of model-only or more; further below,
 def too_short(figures: dict[str, dict]) -> str | None:
     """Why the measurements cannot carry a verdict (one timed step says nothing), or None."""
     for name, m in figures.items():
-        if m["steps"] < MIN_STEPS or m["timed_seconds"] < MIN_SECONDS:
+        least = LOADER_SECONDS if name == "loader only" else MIN_SECONDS
+        if m["steps"] < MIN_STEPS or m["timed_seconds"] < least:
             return (f"the {name} measurement timed {m['steps']} step(s) in {m['timed_seconds']:.2f} s; a figure "
-                    f"needs at least {MIN_STEPS} steps and {MIN_SECONDS:g} s: give it more time (--max-seconds), "
-                    f"more --steps, or a smaller --batch-size")
+                    f"needs at least {MIN_STEPS} steps and {least:g} s (its steps took longer than the probe's: was "
+                    f"the machine busier?): give it more time (--max-seconds), or a smaller --batch-size")
     return None
+
+
+def busy(figures: dict[str, dict]) -> str | None:
+    """The caveat when other processes took a fifth of the CPU during a measurement: its figure may be low, and the
+    verdict, which compares the figures, may then change on a quiet machine."""
+    shares = {name: m.get("others_cpu_pct") or 0.0 for name, m in figures.items()}
+    worst, least = max(shares, key=shares.get), min(shares, key=shares.get)
+    if shares[worst] < 100 * BUSY_SHARE:
+        return None
+    during = f"during {worst}" + (f" ({shares[least]:.0f}% during {least})" if shares[least] < 100 * BUSY_SHARE else "")
+    return (f"other processes took {shares[worst]:.0f}% of the CPU {during}: the figures may be low and the verdict "
+            f"may differ on a quiet machine; no advice from them (rerun when the machine is quiet)")
+
+
+def clean(row: dict) -> bool:
+    """A verdict from figures measured with the CPU to themselves: what advice may be drawn from."""
+    return row.get("verdict") in VERDICTS and not row.get("caveats")
 
 
 def contradiction(lo: dict, mo: dict, e2e: dict) -> str | None:
@@ -73,7 +93,10 @@ def verdict(loader_ips: float, model_ips: float, e2e_ips: float, wait_share: flo
 
 
 def advice(r: dict, manifest) -> list[str]:
-    """Concrete next steps from the numbers."""
+    """Concrete next steps from the numbers, for a row measured cleanly; none from a row without a verdict or
+    measured under load (changing data or settings on noise does harm)."""
+    if not clean(r):
+        return []
     c, out = r["config"], []
     cuda = c["device"].startswith("cuda")
     workers = r.get("loader_workers")
@@ -82,10 +105,7 @@ def advice(r: dict, manifest) -> list[str]:
             out.append(f"more loader workers: {workers} of {usable_cores()} cores in use (--workers)")
         if cuda and c["backend"] == "torch":
             out.append("decode on the GPU: --backend dali (nvJPEG, hardware decoder) or --backend nvjpeg")
-        stored = manifest.settings.get("short_side")
-        if stored and stored > 1.5 * c["image_size"]:
-            out.append(f"store smaller images: re-shard with --short-side {int(c['image_size'] * 1.15)} "
-                       f"(now {stored}); decode cost grows with stored pixels")
+        out += _short_side(r, manifest)
         if not cuda:
             out.append("on a CPU-only machine decoding and training share the cores: a GPU, or a smaller "
                        "--image-size, is the larger lever")
@@ -99,3 +119,15 @@ def advice(r: dict, manifest) -> list[str]:
             out.append(f"a bigger batch if memory allows: `fastpipe memory --model {c['model']} --image-size "
                        f"{c['image_size']}` shows the largest that fits; --compile can add 10-30 %")
     return out
+
+
+def _short_side(r: dict, manifest) -> list[str]:
+    """Smaller stored images, when decoding holds training back (loader-bound) and the shards store far more pixels
+    than the row trained at; never below the image size measured, which is the size this advice is for."""
+    c, stored = r["config"], manifest.settings.get("short_side")
+    size = c["image_size"]
+    if r["verdict"] != "loader-bound" or not stored or stored <= 1.5 * size:
+        return []
+    return [f"if you train at {size} px: store smaller images, re-shard with --short-side {max(int(size * 1.15), size)}"
+            f" (now {stored}; decode cost grows with stored pixels); training at a larger size needs at least that "
+            f"size stored"]
