@@ -252,6 +252,15 @@ def test_every_rows_verdict_and_caveat_is_printed():
     assert disturbed.startswith("workers=2") and disturbed.count("(") == 3  # its figures in brackets
 
 
+def test_a_best_configuration_from_single_windows_says_its_noise_is_not_measured():
+    """resnet50 on a CPU: one window per measurement, 'best configuration: dali' at 5.3 against torch's 4.9."""
+    rows = [_row("torch", 2, 1909, 5.3, 4.9, 0.0), _row("dali", 2, 897, 5.3, 5.3, 0.01)]
+    for r in rows:
+        r["end_to_end"] = {**r["end_to_end"], "windows": [r["end_to_end"]["img_per_s"]]}
+    text = table({"rows": rows, "sweep": {"backend": ["torch", "dali"]}, "best": rows[1]["config"]})
+    assert "best configuration: backend=dali" in text and "noise is not measured" in text
+
+
 def test_the_plot_marks_rows_without_a_verdict_instead_of_drawing_them():
     """bench.png drew a 'not measured' row's bars (DALI end to end 3.0 above model-only 1.7) like any other."""
     from matplotlib.container import BarContainer

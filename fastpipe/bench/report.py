@@ -59,8 +59,10 @@ def _best_line(best: dict, rows: list[dict], swept: list[str]) -> str:
     e = best["end_to_end"]
     line = f"best configuration: {label(best, swept)} ({e['img_per_s']:,.1f} img/s end to end, windows " \
            f"{e['low']:,.1f}-{e['high']:,.1f})"
-    close = [label(r, swept) for r in rows if r is not best and r.get("verdict") not in ("not measured", "disturbed")
-             and r["end_to_end"]["high"] >= e["low"]]
+    others = [r for r in rows if r is not best and r.get("verdict") not in NO_VERDICT]
+    close = [label(r, swept) for r in others if r["end_to_end"]["high"] >= e["low"]]
+    if any(len(r["end_to_end"]["windows"]) < 2 for r in (best, *others)):  # no spread to tell noise by
+        return line + "; from single windows, whose noise is not measured: a difference of a few percent may be noise"
     return line + (f"; within the noise of {', '.join(close)}" if close else "")
 
 
