@@ -41,15 +41,18 @@ class BenchConfig:
                                     "step is measured too)")
     normalize: str = opt("dataset", f"input normalisation, as `fastpipe train --normalize`: {NORMALIZE_FORMS}",
                          parse=parse_normalize)
-    steps: int = opt(20, "timed steps per window", low=1, high=1_000_000)
-    windows: int = opt(3, "timing windows per measurement (the median is reported)", low=1, high=100)
+    steps: int = opt(20, "timed steps per window, as far as --max-seconds holds them", low=1, high=1_000_000)
+    windows: int = opt(3, "timing windows per measurement (the median is reported); fewer, longer ones when few "
+                          "steps fit in --max-seconds", low=1, high=100)
     warmup: int = opt(3, "untimed steps before each measurement", low=0, high=10_000)
     cache_dir: str | None = opt(None, "remote data (s3://, gs://, az://, http(s)://): this node's shard cache "
                                       "(default ~/.cache/fastpipe/shards or $FASTPIPE_CACHE)")
     cache_limit: str | None = opt(None, "remote data: keep the shard cache under this size, e.g. 50GB "
                                         "(least recently used shards go first; default: no limit)")
-    max_seconds: float | None = opt(None, f"time for the whole bench (default: {CPU_BUDGET:.0f} on a CPU, no limit "
-                                          f"on CUDA); each measurement gets an equal share", above=0, high=1e6)
+    max_seconds: float | None = opt(None, f"time for the whole command, from its start (default: {CPU_BUDGET:.0f} "
+                                          f"on a CPU, no limit on CUDA): each measurement gets the steps its figure "
+                                          f"needs within it, or nothing is measured and the budget that would do is "
+                                          f"named", above=0, high=1e6)
 
     def __post_init__(self):
         object.__setattr__(self, "normalize", train_normalize(self.normalize))  # its forms in one (a pair: text)
