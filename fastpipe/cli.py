@@ -210,9 +210,8 @@ def _cmd_bench(a) -> int:
 
     base, sweep = split_sweep(given(a, BenchConfig))
     BenchConfig(**base)  # checked before torch is imported (the swept values: when the grid is made)
-    from fastpipe.bench.harness import run_sweep
+    from fastpipe.bench.harness import process_start, run_sweep
     from fastpipe.bench.report import plot, table, write_json
-    from fastpipe.bench.timing import process_start
 
     result = run_sweep(BenchConfig(**base), sweep, log=lambda line: print(line, flush=True), started=process_start())
     print(table(result))

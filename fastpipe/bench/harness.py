@@ -21,7 +21,7 @@ from dataclasses import asdict, replace
 from fastpipe.bench import parts as real
 from fastpipe.bench.config import CPU_BUDGET, SWEPT, BenchConfig, split_sweep  # noqa: F401 (the API)
 from fastpipe.bench.plan import PROBE_SECONDS, Allot, Part, Schedule, probe
-from fastpipe.bench.timing import Budget, Utilisation, cuda_sync, measure
+from fastpipe.bench.timing import Budget, Utilisation, cuda_sync, measure, process_start
 from fastpipe.bench.verdict import BUSY_SHARE, MIN_STEPS, advice, busy, contradiction, too_short, verdict
 from fastpipe.errors import ConfigError
 from fastpipe.manifest import load
@@ -301,4 +301,4 @@ def run_one(cfg: BenchConfig) -> dict:
     return run_sweep(cfg)["rows"][0]
 
 
-__all__ = ["BenchConfig", "bench_rows", "judge", "run_one", "run_sweep", "split_sweep", "verdict"]
+__all__ = ["BenchConfig", "bench_rows", "judge", "process_start", "run_one", "run_sweep", "split_sweep", "verdict"]
