@@ -193,7 +193,7 @@ def _refusal(configs, ids: dict, sched: Schedule) -> str:
     """Why nothing is measured, and the budget (or batch) that would give every row a verdict."""
     c = max(configs, key=lambda c: sched.est[f"model {ids[c.model_key()]}"])
     step = sched.est[f"model {ids[c.model_key()]}"]
-    where = "CPU" if c.device == "cpu" else c.device
+    where = "CPU" if c.device == "cpu" else f"GPU ({c.device})"
     batch = sched.batch_that_fits(c.batch_size) if len({x.batch_size for x in configs}) == 1 else None
     rows = f" of {len(configs)} configurations" if len(configs) > 1 else ""
     return (f"{c.model} at {c.image_size} px, batch {c.batch_size} on this {where}: {_secs(step)} s a step; a "
