@@ -40,6 +40,10 @@ def parse_args(argv=None):
     ap.add_argument("--decoder", default="auto", help="cpu_decoder of both modes")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--epochs", type=int, default=4, help="timed epochs after the first")
+    ap.add_argument("--python-ms", type=float, default=0, help="the training process's main thread spends this long "
+                                                               "per batch in pure Python, holding the GIL")
+    ap.add_argument("--settle", type=float, default=0, help="before each round, wait up to this many seconds for "
+                                                             "other processes to use under 0.2 cores")
     ap.add_argument("--json", default="bench-results/workers.json")
     ap.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # VARIANT SHARDS: one run, in this process
     return ap.parse_args(argv)
@@ -123,42 +127,109 @@ def run_bound(shards: str) -> dict:
     return {"img_per_s": 2 * len(datas) / (time.perf_counter() - t)}
 
 
+def python_step(ms: float) -> None:
+    """A training step's stand-in that holds the GIL throughout: pure Python, no call that releases it."""
+    end = time.perf_counter() + ms / 1000
+    while time.perf_counter() < end:
+        pass
+
+
+def thread_accounts():
+    """Each loader thread's (CPU seconds, seconds alive), recorded as its plan ends: what the threads' time went to."""
+    from fastpipe.loaders.threads import LoaderThreads
+
+    accounts, run = [], LoaderThreads._run
+
+    def counted(self, w):
+        t, cpu = time.perf_counter(), time.thread_time()
+        try:
+            return run(self, w)
+        finally:
+            accounts.append((time.thread_time() - cpu, time.perf_counter() - t))
+
+    LoaderThreads._run = counted
+    return accounts
+
+
 def run_loader(shards: str, threads: bool, args) -> dict:
     import torch
 
     from fastpipe import make_loader
 
     torch.set_num_threads(1)  # the training process only hands batches on here
+    accounts = thread_accounts()
     base = anonymous(os.getpid())
     t = time.perf_counter()
     loader = make_loader(shards, "torch", batch_size=64, image_size=224, num_workers=args.workers, threads=threads,
                          cpu_decoder=args.decoder, device="cpu", normalize=False)
-    first = sum(len(x) for x, _ in loader)
+
+    def epoch(e):
+        loader.set_epoch(e)
+        n = 0
+        for x, _ in loader:
+            python_step(args.python_ms)
+            n += len(x)
+        return n
+
+    first = epoch(0)
     first_s = time.perf_counter() - t
+    accounts.clear()
     n, t = 0, time.perf_counter()
     for e in range(1, args.epochs + 1):
-        loader.set_epoch(e)
-        n += sum(len(x) for x, _ in loader)
-    rate = n / (time.perf_counter() - t)
+        n += epoch(e)
+    wall = time.perf_counter() - t
+    cpu, alive = sum(a[0] for a in accounts), sum(a[1] for a in accounts)
     loader.set_epoch(args.epochs + 1)  # an untimed epoch, measured half-way (reading smaps takes a while)
     for i, _ in enumerate(loader):
         if i == len(loader) // 2:
             mem = memory(base)
     assert loader.describe()["workers_are"] == ("threads" if threads else "processes")
     loader.close()
-    return {"img_per_s": rate, "first_epoch_s": first_s, "first_epoch_images": first, **mem}
+    # threads: shares of the threads' time (workers x wall) on a CPU, waiting while alive (the GIL, a full queue),
+    # and ended before the epoch (a thread with fewer batches left, at each epoch's end)
+    whole = args.workers * wall
+    share = {"thread_cpu_share": cpu / whole, "thread_wait_share": (alive - cpu) / whole,
+             "thread_ended_share": 1 - alive / whole} if threads else {}
+    return {"img_per_s": n / wall, "first_epoch_s": first_s, "first_epoch_images": first, **mem, **share}
+
+
+def busy_seconds() -> float:
+    """CPU seconds the whole machine has been busy (all cores, /proc/stat)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
+
+
+def own_seconds() -> float:
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def one(variant: str, shards: str, args) -> dict:
+    """One run, with the cores other processes took meanwhile (the machine's busy time less this run's)."""
+    busy, own, t = busy_seconds(), own_seconds(), time.perf_counter()
     res = run_bound(shards) if variant == BOUND else run_loader(shards, MODES[variant], args)
-    return {**res, "load_avg_1min": os.getloadavg()[0]}
+    others = (busy_seconds() - busy) - (own_seconds() - own)
+    return {**res, "load_avg_1min": os.getloadavg()[0], "others_cores": max(others, 0) / (time.perf_counter() - t)}
+
+
+def settle(limit: float) -> None:
+    """Wait, at most `limit` seconds, for a second in which other processes used under 0.2 cores (on a shared
+    machine: rounds then start when it is quiet; each run still records what others took)."""
+    deadline = time.perf_counter() + limit
+    while time.perf_counter() < deadline:
+        busy, own = busy_seconds(), own_seconds()
+        time.sleep(1)
+        if (busy_seconds() - busy) - (own_seconds() - own) < 0.2:
+            return
 
 
 def fresh(variant: str, shards: Path, args) -> dict:
     from fastpipe.bench.timing import run_fresh
 
     return run_fresh([__file__, "--one", variant, str(shards), "--workers", str(args.workers), "--decoder",
-                      args.decoder, "--epochs", str(args.epochs)], variant)
+                      args.decoder, "--epochs", str(args.epochs), "--python-ms", str(args.python_ms)], variant)
 
 
 def report(runs: dict, args, samples: int) -> dict:
@@ -171,8 +242,10 @@ def report(runs: dict, args, samples: int) -> dict:
 
     fields = ("img_per_s", "first_epoch_s", "uss_bytes", "pss_bytes", "main_uss_bytes", "workers_uss_bytes",
               "shm_bytes")
+    threads = {f: spread([r[f] for r in t]) for f in ("thread_cpu_share", "thread_wait_share", "thread_ended_share")}
     return {"workers": args.workers, "rounds": args.rounds, "train_samples": samples, "decoder": args.decoder,
-            "epochs": args.epochs, "bound_img_per_s": spread([z["img_per_s"] for z in b]),
+            "epochs": args.epochs, "python_ms_per_batch": args.python_ms, "threads_time": threads,
+            "bound_img_per_s": spread([z["img_per_s"] for z in b]),
             "modes": {m: {f: spread([r[f] for r in runs[m]]) for f in fields} for m in MODES},
             "threads_over_processes": paired(lambda x, y, z: y["img_per_s"] / x["img_per_s"]),
             "threads_vs_bound": paired(lambda x, y, z: y["img_per_s"] / (args.workers * z["img_per_s"])),
@@ -180,7 +253,8 @@ def report(runs: dict, args, samples: int) -> dict:
             "first_epoch_processes_over_threads": paired(lambda x, y, z: x["first_epoch_s"] / y["first_epoch_s"]),
             "uss_threads_over_processes": paired(lambda x, y, z: y["uss_bytes"] / x["uss_bytes"]),
             "pss_threads_over_processes": paired(lambda x, y, z: y["pss_bytes"] / x["pss_bytes"]),
-            "load_avg_1min": [r["load_avg_1min"] for v in runs.values() for r in v]}
+            "load_avg_1min": [r["load_avg_1min"] for v in runs.values() for r in v],
+            "others_cores": spread([r["others_cores"] for v in runs.values() for r in v])}
 
 
 def _r(v: dict, fmt: str = ".2f", scale: float = 1) -> str:
@@ -189,14 +263,19 @@ def _r(v: dict, fmt: str = ".2f", scale: float = 1) -> str:
 
 def table(res: dict) -> str:
     mb = 2**20
-    lines = [f"{res['train_samples']} samples, {res['workers']} workers, decoder {res['decoder']}, {res['rounds']} "
-             f"rounds (median, range); load average {min(res['load_avg_1min']):.1f}-{max(res['load_avg_1min']):.1f}",
+    lines = [f"{res['train_samples']} samples, {res['workers']} workers, decoder {res['decoder']}, "
+             f"{res['python_ms_per_batch']} ms of pure Python per batch in the training process, {res['rounds']} "
+             f"rounds (median, range); load average {min(res['load_avg_1min']):.1f}-{max(res['load_avg_1min']):.1f}, "
+             f"cores other processes took during a run {_r(res['others_cores'])}",
              f"  one-process decode bound {_r(res['bound_img_per_s'], ',.0f')} img/s"]
     for m, v in res["modes"].items():
         lines.append(f"  {m:<10} {_r(v['img_per_s'], ',.0f')} img/s; first epoch {_r(v['first_epoch_s'])} s; "
                      f"USS {_r(v['uss_bytes'], ',.0f', mb)} MB (training process {_r(v['main_uss_bytes'], ',.0f', mb)}"
                      f", workers {_r(v['workers_uss_bytes'], ',.0f', mb)}); PSS {_r(v['pss_bytes'], ',.0f', mb)} MB; "
                      f"/dev/shm {_r(v['shm_bytes'], ',.1f', mb)} MB")
+    tt = res["threads_time"]
+    lines += [f"  the threads' time: on a CPU {_r(tt['thread_cpu_share'])}, waiting {_r(tt['thread_wait_share'])}, "
+              f"ended before the epoch {_r(tt['thread_ended_share'])}"]
     lines += [f"  threads / processes {_r(res['threads_over_processes'])}; threads / (workers x bound) "
               f"{_r(res['threads_vs_bound'])}, processes {_r(res['processes_vs_bound'])}; first epoch, processes / "
               f"threads {_r(res['first_epoch_processes_over_threads'])}; USS threads / processes "
@@ -215,6 +294,7 @@ def main(args) -> dict:
         for r in range(args.rounds):
             order = list(runs)
             rng.shuffle(order)
+            settle(args.settle)
             for name in order:
                 runs[name].append(fresh(name, shards, args))
             print(f"  round {r + 1}/{args.rounds} (load average {os.getloadavg()[0]:.1f})", flush=True)
