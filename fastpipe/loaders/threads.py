@@ -30,6 +30,9 @@ from fastpipe.loaders.batch import set_worker_thread
 
 THREAD_NAME = "fastpipe-loader"
 _END = object()  # a thread's plan is done
+# Ctrl-C can land inside Thread.start(), before or after the thread was created: how long close() waits to see it
+# begin. Only a start that was interrupted before the thread existed waits this long.
+BEGIN_BOUND_S = 2.0
 
 
 class _Raised:
@@ -55,11 +58,14 @@ class LoaderThreads:
         self._queues = [queue.Queue(max(prefetch, 1)) for _ in range(workers)]
         self._threads = [threading.Thread(target=self._run, args=(w,), name=f"{THREAD_NAME}-{w}", daemon=True)
                          for w in range(workers)]
+        self._began = [threading.Event() for _ in range(workers)]
+        self._asked = 0  # threads whose start() was called
 
     def __iter__(self):
-        for t in self._threads:
-            t.start()
         try:
+            for t in self._threads:
+                self._asked += 1
+                t.start()
             for b in itertools.count():
                 item = self._queues[b % self.workers].get()
                 if item is _END:  # thread b % N has no batch b: neither has any later one (the plan is b % N)
@@ -71,6 +77,9 @@ class LoaderThreads:
             self.close()
 
     def _run(self, w: int) -> None:
+        self._began[w].set()
+        if self._stop.is_set():  # closed while this thread was being started
+            return
         if hasattr(signal, "pthread_sigmask"):
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         set_worker_thread(w, self.workers)
@@ -96,11 +105,11 @@ class LoaderThreads:
                     q.get_nowait()
                 except queue.Empty:
                     break
-        for t in self._threads:
-            if t.ident is not None and t is not threading.current_thread():
+        for t, began in zip(self._threads[: self._asked], self._began):
+            if t is not threading.current_thread() and began.wait(BEGIN_BOUND_S):
                 t.join()
 
 
 def running() -> list[threading.Thread]:
     """This process's loader threads that have not ended (for tests and doctor)."""
-    return [t for t in threading.enumerate() if t.name.startswith(THREAD_NAME)]
+    return [t for t in threading.enumerate() if t.name.startswith(THREAD_NAME) and t.is_alive()]
