@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 BOUND = "one-process decode bound"
+BARE_THREADS = "the bare decode loop in threads"  # the bound's loop split over --workers threads: no loader
 MODES = {"processes": False, "threads": True}
 
 
@@ -107,8 +108,11 @@ def memory(base: dict) -> dict:
             "worker_processes": len(kids), "shm_bytes": shm_bytes([me.pid] + [k.pid for k in kids])}
 
 
-def run_bound(shards: str) -> dict:
-    """One thread, no loader: decode + random-resized-crop + flip -> uint8 of every train sample, twice."""
+def run_bound(shards: str, threads: int = 1) -> dict:
+    """No loader: decode + random-resized-crop + flip -> uint8 of every train sample, twice, in one loop, or split
+    over `threads` threads (what the decode alone allows in parallel on this machine)."""
+    import threading
+
     import numpy as np
 
     from fastpipe.loaders import cpu_ops
@@ -118,12 +122,19 @@ def run_bound(shards: str) -> dict:
 
     s = ShardSet(load(shards), "train")
     datas = [x.image for i, n in enumerate(s.counts) for x in s.read_piece(Piece(i, 0, n))]
-    rng, out = np.random.default_rng(0), np.empty((224, 224, 3), np.uint8)
-    for d in datas[:20]:
-        cpu_ops.decode_train(d, 224, rng, out=out)
+
+    def loop(part, seed):
+        rng, out = np.random.default_rng(seed), np.empty((224, 224, 3), np.uint8)
+        for d in part:
+            cpu_ops.decode_train(d, 224, rng, out=out)
+
+    loop(datas[:20], 0)
+    parts = [threading.Thread(target=loop, args=((datas * 2)[k::threads], k)) for k in range(threads)]
     t = time.perf_counter()
-    for d in datas * 2:
-        cpu_ops.decode_train(d, 224, rng, out=out)
+    for p in parts:
+        p.start()
+    for p in parts:
+        p.join()
     return {"img_per_s": 2 * len(datas) / (time.perf_counter() - t)}
 
 
@@ -209,7 +220,10 @@ def own_seconds() -> float:
 def one(variant: str, shards: str, args) -> dict:
     """One run, with the cores other processes took meanwhile (the machine's busy time less this run's)."""
     busy, own, t = busy_seconds(), own_seconds(), time.perf_counter()
-    res = run_bound(shards) if variant == BOUND else run_loader(shards, MODES[variant], args)
+    if variant in (BOUND, BARE_THREADS):
+        res = run_bound(shards, 1 if variant == BOUND else args.workers)
+    else:
+        res = run_loader(shards, MODES[variant], args)
     others = (busy_seconds() - busy) - (own_seconds() - own)
     return {**res, "load_avg_1min": os.getloadavg()[0], "others_cores": max(others, 0) / (time.perf_counter() - t)}
 
@@ -235,7 +249,7 @@ def fresh(variant: str, shards: Path, args) -> dict:
 def report(runs: dict, args, samples: int) -> dict:
     from fastpipe.bench.timing import spread
 
-    p, t, b = runs["processes"], runs["threads"], runs[BOUND]
+    p, t, b, bare = runs["processes"], runs["threads"], runs[BOUND], runs[BARE_THREADS]
 
     def paired(f):
         return spread([f(x, y, z) for x, y, z in zip(p, t, b)])
@@ -246,6 +260,10 @@ def report(runs: dict, args, samples: int) -> dict:
     return {"workers": args.workers, "rounds": args.rounds, "train_samples": samples, "decoder": args.decoder,
             "epochs": args.epochs, "python_ms_per_batch": args.python_ms, "threads_time": threads,
             "bound_img_per_s": spread([z["img_per_s"] for z in b]),
+            "bare_threads_img_per_s": spread([z["img_per_s"] for z in bare]),
+            "bare_threads_vs_bound": spread([x["img_per_s"] / (args.workers * z["img_per_s"])
+                                             for x, z in zip(bare, b)]),
+            "threads_vs_bare_threads": spread([y["img_per_s"] / x["img_per_s"] for x, y in zip(bare, t)]),
             "modes": {m: {f: spread([r[f] for r in runs[m]]) for f in fields} for m in MODES},
             "threads_over_processes": paired(lambda x, y, z: y["img_per_s"] / x["img_per_s"]),
             "threads_vs_bound": paired(lambda x, y, z: y["img_per_s"] / (args.workers * z["img_per_s"])),
@@ -253,6 +271,9 @@ def report(runs: dict, args, samples: int) -> dict:
             "first_epoch_processes_over_threads": paired(lambda x, y, z: x["first_epoch_s"] / y["first_epoch_s"]),
             "uss_threads_over_processes": paired(lambda x, y, z: y["uss_bytes"] / x["uss_bytes"]),
             "pss_threads_over_processes": paired(lambda x, y, z: y["pss_bytes"] / x["pss_bytes"]),
+            # what the loader adds to the machine: anonymous memory (PSS) and the /dev/shm it maps
+            "memory_threads_over_processes": paired(lambda x, y, z: (y["pss_bytes"] + y["shm_bytes"])
+                                                    / (x["pss_bytes"] + x["shm_bytes"])),
             "load_avg_1min": [r["load_avg_1min"] for v in runs.values() for r in v],
             "others_cores": spread([r["others_cores"] for v in runs.values() for r in v])}
 
@@ -267,7 +288,9 @@ def table(res: dict) -> str:
              f"{res['python_ms_per_batch']} ms of pure Python per batch in the training process, {res['rounds']} "
              f"rounds (median, range); load average {min(res['load_avg_1min']):.1f}-{max(res['load_avg_1min']):.1f}, "
              f"cores other processes took during a run {_r(res['others_cores'])}",
-             f"  one-process decode bound {_r(res['bound_img_per_s'], ',.0f')} img/s"]
+             f"  one-process decode bound {_r(res['bound_img_per_s'], ',.0f')} img/s; the same loop in "
+             f"{res['workers']} threads {_r(res['bare_threads_img_per_s'], ',.0f')} img/s, ÷ (workers x bound) "
+             f"{_r(res['bare_threads_vs_bound'])}; the thread mode ÷ it {_r(res['threads_vs_bare_threads'])}"]
     for m, v in res["modes"].items():
         lines.append(f"  {m:<10} {_r(v['img_per_s'], ',.0f')} img/s; first epoch {_r(v['first_epoch_s'])} s; "
                      f"USS {_r(v['uss_bytes'], ',.0f', mb)} MB (training process {_r(v['main_uss_bytes'], ',.0f', mb)}"
@@ -279,7 +302,8 @@ def table(res: dict) -> str:
     lines += [f"  threads / processes {_r(res['threads_over_processes'])}; threads / (workers x bound) "
               f"{_r(res['threads_vs_bound'])}, processes {_r(res['processes_vs_bound'])}; first epoch, processes / "
               f"threads {_r(res['first_epoch_processes_over_threads'])}; USS threads / processes "
-              f"{_r(res['uss_threads_over_processes'])}, PSS {_r(res['pss_threads_over_processes'])}"]
+              f"{_r(res['uss_threads_over_processes'])}, PSS {_r(res['pss_threads_over_processes'])}, PSS + /dev/shm "
+              f"{_r(res['memory_threads_over_processes'])}"]
     return "\n".join(lines)
 
 
@@ -289,7 +313,7 @@ def main(args) -> dict:
     base = Path(tempfile.mkdtemp(prefix="fp-workers-"))
     try:
         shards = Path(args.shards) if args.shards else make_shards(args, base)
-        runs: dict[str, list] = {k: [] for k in (*MODES, BOUND)}
+        runs: dict[str, list] = {k: [] for k in (*MODES, BOUND, BARE_THREADS)}
         rng = random.Random(0)
         for r in range(args.rounds):
             order = list(runs)
