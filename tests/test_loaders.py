@@ -567,7 +567,7 @@ def test_worker_batches_are_sized_to_the_shared_memory():
     mb = 2**20
     assert fit_shared_memory(2, 10 * mb, 4, 10_000 * mb) == (2, 4, "")  # plenty: as asked
     w, p, note = fit_shared_memory(2, 10 * mb, 4, 64 * mb)  # Docker's default /dev/shm
-    assert (w, p) == (1, 2) and "--shm-size=" in note
+    assert (w, p) == (1, 2) and "--shm-size=" in note and "--threads on" in note  # or threads: no shared memory
     w, p, note = fit_shared_memory(2, 10 * mb, 4, 20 * mb)
     assert w == 0 and "in the training process" in note
     assert fit_shared_memory(0, 10 * mb, 4, 1) == (0, 4, "")

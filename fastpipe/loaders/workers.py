@@ -132,6 +132,7 @@ def fit_shared_memory(workers: int, batch_bytes: int, prefetch: int, free: int |
 
 def _shm_note(free: int, workers: int, prefetch: int, batch_bytes: int, now: str) -> str:
     suggest = max(1, math.ceil(workers * (prefetch + 2) * batch_bytes / SHM_USABLE / 2**30))
-    return (f"{SHM} has {free / 2**20:.0f} MB free, too little for {workers} workers x {prefetch + 2} batches of "
-            f"{batch_bytes / 2**20:.1f} MB: running with {now}, which is slower. Give the container more shared "
-            f"memory: docker run --shm-size={suggest}g (or --ipc=host)")
+    return (f"{SHM} has {free / 2**20:.0f} MB free, too little for {workers} worker processes x {prefetch + 2} "
+            f"batches of {batch_bytes / 2**20:.1f} MB: running with {now}, which is slower. Give the container more "
+            f"shared memory: docker run --shm-size={suggest}g (or --ipc=host), or make the workers threads "
+            f"(threads=True, --threads on), which use none")
