@@ -164,3 +164,9 @@ def test_ctrl_c_while_the_threads_decode_stops_them_all(converted, monkeypatch):
             pass
     helper.join(60)
     assert inside.is_set() and not running()
+
+
+def test_pin_memory_for_a_cpu_device_is_left_out_as_worker_processes_do(converted):
+    """Pinned memory serves copies to a CUDA device only; without a driver, allocating it fails."""
+    loader = make_loader(converted, num_workers=2, threads=True, pin_memory=True, **KW)
+    assert sum(len(y) for _, y in loader) == len(loader) * KW["batch_size"] and not loader.buffers.pin

@@ -30,7 +30,7 @@ class TorchLoader(StreamLoader):
         self._copying: list = []  # (CUDA event, slot) of pinned buffers whose copy to the device was queued
         self.buffers = BufferPool(self.num_workers, self.prefetch + 2, self.cfg.batch_size, self.cfg.image_size,
                                   shared=not self.in_threads and self.num_workers > 0,
-                                  pin=self.in_threads and bool(self.cfg.pin_memory))
+                                  pin=self.in_threads and bool(self.cfg.pin_memory) and self.device.type == "cuda")
         return CpuDecode(self.cfg, self.num_classes, self.manifest.multilabel, self.buffers,
                          imageguard.data_set_limit(self.manifest.settings))
 
