@@ -170,3 +170,15 @@ def test_pin_memory_for_a_cpu_device_is_left_out_as_worker_processes_do(converte
     """Pinned memory serves copies to a CUDA device only; without a driver, allocating it fails."""
     loader = make_loader(converted, num_workers=2, threads=True, pin_memory=True, **KW)
     assert sum(len(y) for _, y in loader) == len(loader) * KW["batch_size"] and not loader.buffers.pin
+
+
+def test_bench_builds_its_loaders_in_the_mode_asked(converted):
+    """`fastpipe bench --threads on,off`: each row's loader has the workers its row says."""
+    from fastpipe.bench.config import BenchConfig
+    from fastpipe.bench.parts import loader
+    from fastpipe.manifest import load
+
+    m = load(converted)
+    rows = {t: loader(BenchConfig(data=str(converted), device="cpu", workers=2, threads=t, batch_size=8,
+                                  image_size=48), m) for t in (True, False)}
+    assert rows[True].in_threads and not rows[False].in_threads

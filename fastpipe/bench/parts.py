@@ -23,7 +23,8 @@ from fastpipe.util import usable_cores
 # BenchConfig's loader settings → LoaderConfig's fields. A setting that changes only the loader goes here (and
 # into BenchConfig, swept); it stays out of BenchConfig.model_key, so its rows share one model-only measurement.
 LOADER_SETTINGS = {"backend": "backend", "batch_size": "batch_size", "image_size": "image_size", "device": "device",
-                   "workers": "num_workers", "pin_memory": "pin_memory", "normalize": "normalize"}
+                   "workers": "num_workers", "threads": "threads", "pin_memory": "pin_memory",
+                   "normalize": "normalize"}
 
 
 @dataclass(frozen=True)
