@@ -17,9 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from fastpipe.convert.demo import DemoConfig, make_demo_data
 from fastpipe.convert.driver import ShardConfig, shard
 from fastpipe.convert.images import ImageSettings, process
-from fastpipe.demo import DemoConfig, make_demo_data
 
 
 def parse_args(argv=None):

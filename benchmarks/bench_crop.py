@@ -34,10 +34,10 @@ from PIL import Image
 
 from fastpipe import make_loader
 from fastpipe.bench.timing import run_fresh, spread
+from fastpipe.dataset.manifest import load
 from fastpipe.loaders import cpu_ops, jpegcrop
 from fastpipe.loaders.epoch import Piece
 from fastpipe.loaders.shards import ShardSet
-from fastpipe.manifest import load
 
 BATCH, SIZE = 64, 224
 TARGETS = {"single": {320: 1.25, 512: 1.35}, "loader": {320: 1.1, 512: 1.2}}
@@ -59,8 +59,8 @@ def parse_args(argv=None):
 
 
 def make_sets(args, base: Path) -> dict[int, Path]:
+    from fastpipe.convert.demo import DemoConfig, make_demo_data
     from fastpipe.convert.driver import ShardConfig, shard
-    from fastpipe.demo import DemoConfig, make_demo_data
 
     if not (base / "raw").is_dir():
         make_demo_data(DemoConfig(base / "raw", count=args.photos, width=1632, height=1224))

@@ -4,7 +4,7 @@ sha256 of each photo (the `changed` check) against converting it.
 
     python benchmarks/bench_guards.py --rounds 9 --json docs/results/guards.json
 
-Demo photos (fastpipe.demo's generator): stored ones at 427 x 320 (a shard's short side 320), baseline and
+Demo photos (fastpipe.convert.demo's generator): stored ones at 427 x 320 (a shard's short side 320), baseline and
 progressive; camera-size ones at 1632 x 1224 for the converter. Each round times every variant once, in a
 shuffled order, so drift in the machine's speed hits all alike; figures are medians over rounds with their range,
 and each ratio is of the same round's times.
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fastpipe import imageguard
+from fastpipe.convert.demo import render
 from fastpipe.convert.images import ImageSettings, process
-from fastpipe.demo import render
+from fastpipe.dataset import imageguard
 from fastpipe.loaders import cpu_ops, jpegcrop
 
 

@@ -23,8 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fastpipe.bench.timing import spread
-from fastpipe.shardformat import tar_header
-from fastpipe.storage import Remote
+from fastpipe.dataset.shardformat import tar_header
+from fastpipe.store.remote import Remote
 from fastpipe.util import read_regular
 
 LIMIT = 1024**3

@@ -22,10 +22,10 @@ import torch
 
 from fastpipe import make_loader
 from fastpipe.bench.timing import cuda_sync, endless, measure
+from fastpipe.dataset.manifest import load
 from fastpipe.loaders import cpu_ops, jpegcrop
 from fastpipe.loaders.epoch import Piece
 from fastpipe.loaders.shards import ShardSet
-from fastpipe.manifest import load
 
 
 def parse_args(argv=None):
@@ -45,8 +45,8 @@ def parse_args(argv=None):
 
 
 def make_shards(args) -> Path:
+    from fastpipe.convert.demo import DemoConfig, make_demo_data
     from fastpipe.convert.driver import ShardConfig, shard
-    from fastpipe.demo import DemoConfig, make_demo_data
 
     base = Path(tempfile.mkdtemp(prefix="fp-bench-loaders-"))
     # Half-size photos generate 4x faster; the stored 320-px images are the same kind either way.

@@ -62,7 +62,7 @@ def run(args, variant: str, out: Path) -> dict:
 def main(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="fp-bench-malloc-") as tmp:
         if not args.raw:
-            from fastpipe.demo import DemoConfig, make_demo_data
+            from fastpipe.convert.demo import DemoConfig, make_demo_data
 
             make_demo_data(DemoConfig(Path(tmp) / "raw", count=200, width=1632, height=1224))
             args.raw = str(Path(tmp) / "raw")

@@ -20,8 +20,8 @@ import torch
 
 from fastpipe import make_loader
 from fastpipe.bench.timing import endless, measure
+from fastpipe.convert.demo import DemoConfig, make_demo_data
 from fastpipe.convert.driver import ShardConfig, shard
-from fastpipe.demo import DemoConfig, make_demo_data
 
 
 def parse_args(argv=None):

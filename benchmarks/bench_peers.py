@@ -79,7 +79,7 @@ def interleaved(variants: dict, rounds: int, seed: int = 0) -> dict[str, list]:
 def photos(args, base: Path) -> Path:
     if args.raw:
         return Path(args.raw)
-    from fastpipe.demo import DemoConfig, make_demo_data
+    from fastpipe.convert.demo import DemoConfig, make_demo_data
 
     make_demo_data(DemoConfig(base / "raw", count=args.photos, width=1632, height=1224))
     return base / "raw"
@@ -230,11 +230,11 @@ def overheads(items) -> dict:
 
 # -- the per-sample machinery: bytes fetched, shuffled and handed over, one process, no decode -------------------
 def machinery_fastpipe(fp: Path, epochs: int) -> float:
+    from fastpipe.dataset.manifest import load
     from fastpipe.loaders.config import LoaderConfig
     from fastpipe.loaders.rng import SampleRng
     from fastpipe.loaders.shards import ShardSet
     from fastpipe.loaders.stream import SampleStream, train_order
-    from fastpipe.manifest import load
 
     m = load(fp)
     cfg = LoaderConfig(batch_size=BATCH, image_size=SIZE, device="cpu").resolved()
@@ -406,9 +406,9 @@ def run_loader(build, epochs: int) -> dict:
 
 def decode_bound(fp: Path, passes: int = 2) -> dict:
     """One process, no loader: decode + random-resized-crop + flip → uint8 of the stored images."""
+    from fastpipe.dataset.manifest import load
     from fastpipe.loaders.epoch import Piece
     from fastpipe.loaders.shards import ShardSet
-    from fastpipe.manifest import load
 
     shards = ShardSet(load(fp), "train")
     datas = [s.image for i, n in enumerate(shards.counts) for s in shards.read_piece(Piece(i, 0, n))]

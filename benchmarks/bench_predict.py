@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
+from fastpipe.convert.demo import DemoConfig, make_demo_data
 from fastpipe.convert.driver import ShardConfig, shard
-from fastpipe.demo import DemoConfig, make_demo_data
 from fastpipe.loaders import cpu_ops
 from fastpipe.predict.config import PredictConfig
 from fastpipe.predict.model import load_model

@@ -202,7 +202,7 @@ def main(args) -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
-    from fastpipe.demo import DemoConfig, make_demo_data
+    from fastpipe.convert.demo import DemoConfig, make_demo_data
 
     sizes = sorted(int(x) for x in args.sizes.split(","))
     with tempfile.TemporaryDirectory(prefix="fp-bench-ray-") as tmp:

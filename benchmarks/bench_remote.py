@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from fastpipe import make_loader
-from fastpipe.manifest import load
+from fastpipe.dataset.manifest import load
 
 
 def parse_args(argv=None):
@@ -53,8 +53,8 @@ def parse_args(argv=None):
 
 
 def make_shards(args) -> Path:
+    from fastpipe.convert.demo import DemoConfig, make_demo_data
     from fastpipe.convert.driver import ShardConfig, shard
-    from fastpipe.demo import DemoConfig, make_demo_data
 
     base = Path(tempfile.mkdtemp(prefix="fp-bench-remote-"))
     width, height = (int(v) for v in args.photo_size.lower().split("x"))

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
+from fastpipe.dataset.manifest import load
 from fastpipe.loaders.config import LoaderConfig
 from fastpipe.loaders.prepare import Raw
 from fastpipe.loaders.shards import ShardSet
 from fastpipe.loaders.stream import SampleStream, train_order
-from fastpipe.manifest import load
 
 COUNTS = {"leaf_healthy": 800, "leaf_rust": 360, "leaf_blight": 200, "pipe_clean": 560, "pipe_crack": 160,
           "pipe_corrosion": 40}

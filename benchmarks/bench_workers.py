@@ -51,8 +51,8 @@ def parse_args(argv=None):
 
 
 def make_shards(args, base: Path) -> Path:
+    from fastpipe.convert.demo import DemoConfig, make_demo_data
     from fastpipe.convert.driver import ShardConfig, shard
-    from fastpipe.demo import DemoConfig, make_demo_data
 
     make_demo_data(DemoConfig(base / "raw", count=args.photos, width=1632, height=1224))
     shard(ShardConfig(base / "raw", base / "shards", short_side=args.short_side, max_shard_size=4 * 2**20,
@@ -115,10 +115,10 @@ def run_bound(shards: str, threads: int = 1) -> dict:
 
     import numpy as np
 
+    from fastpipe.dataset.manifest import load
     from fastpipe.loaders import cpu_ops
     from fastpipe.loaders.epoch import Piece
     from fastpipe.loaders.shards import ShardSet
-    from fastpipe.manifest import load
 
     s = ShardSet(load(shards), "train")
     datas = [x.image for i, n in enumerate(s.counts) for x in s.read_piece(Piece(i, 0, n))]
@@ -308,7 +308,7 @@ def table(res: dict) -> str:
 
 
 def main(args) -> dict:
-    from fastpipe.manifest import load
+    from fastpipe.dataset.manifest import load
 
     base = Path(tempfile.mkdtemp(prefix="fp-workers-"))
     try:

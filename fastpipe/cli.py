@@ -11,88 +11,22 @@ import argparse
 import errno
 import signal
 import sys
-import typing
 import warnings
-from dataclasses import MISSING, fields
 from pathlib import Path
 
 from fastpipe import __version__
 from fastpipe.errors import ConfigError, FastpipeError, FastpipeWarning, Interrupted
-from fastpipe.urls import check_location, redact
-from fastpipe.util import local_path
+from fastpipe.options import add_config, config_from, given
+from fastpipe.store.urls import check_location, local_path, redact
 
 # OS errors that are the environment's, not a bug: reported in one line with the file they concern.
 ENV_ERRNOS = {errno.ENOSPC, errno.EACCES, errno.EROFS, errno.EDQUOT, errno.EPERM, errno.ENOENT, errno.EIO,
               errno.EMFILE, errno.ENAMETOOLONG, errno.EISDIR, errno.ENOTDIR}
 
 
-# -- flags from config dataclasses ------------------------------------------------------------------------
-def _argtype(parse):
-    """argparse shows only ArgumentTypeError messages; ours explain the fix, so pass them through."""
-    def wrapped(text):
-        try:
-            return parse(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    wrapped.__name__ = getattr(parse, "__name__", "value")
-    return wrapped
-
-
-def _base_type(hint):
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if args and typing.get_origin(hint) in (typing.Union, __import__("types").UnionType)\
-        else hint
-
-
-def _default(f):
-    if f.default is not MISSING:
-        return f.default
-    return f.default_factory() if f.default_factory is not MISSING else None
-
-
-def _sweep(parse):
-    return lambda text: [parse(x.strip()) for x in str(text).split(",") if x.strip()]
-
-
-def add_config(p: argparse.ArgumentParser, cls, skip=()) -> None:
-    """One flag per field of `cls` with opt() metadata: --field-name, its help and default from the field.
-    Defaults are left out of the namespace (SUPPRESS), so `config_from` knows what the user typed."""
-    hints = typing.get_type_hints(cls)
-    for f in fields(cls):
-        m = f.metadata
-        if not m or not m.get("cli", True) or f.name in skip:
-            continue
-        kind, default = _base_type(hints[f.name]), _default(f)
-        parse = m["parse"] or (kind if kind in (int, float, str) else str)
-        shown = "" if default in (None, False, "", []) or m["positional"] else f" (default: {default})"
-        if m["positional"]:
-            p.add_argument(f.name, metavar=m["flag"] or f.name.upper(), nargs=m["nargs"], type=_argtype(parse),
-                           help=m["help"])
-        elif kind is bool and not m["sweep"] and m["parse"] is None:  # else its parser's words (on/off)
-            action = "store_true" if default is False else argparse.BooleanOptionalAction
-            p.add_argument(m["flag"] or f"--{f.name.replace('_', '-')}", dest=f.name, action=action,
-                           default=argparse.SUPPRESS, help=m["help"] + shown)
-        else:
-            parse = _sweep(parse) if m["sweep"] else parse
-            help_ = m["help"] + shown + (" (comma-separated values are swept)" if m["sweep"] else "")
-            p.add_argument(m["flag"] or f"--{f.name.replace('_', '-')}", dest=f.name, type=_argtype(parse),
-                           choices=None if m["sweep"] else m["choices"], nargs=m["nargs"],
-                           default=argparse.SUPPRESS, help=help_)
-
-
-def given(args: argparse.Namespace, cls) -> dict:
-    """The settings of `cls` the user typed (and the positionals)."""
-    names = {f.name for f in fields(cls)}
-    return {k: v for k, v in vars(args).items() if k in names}
-
-
-def config_from(args: argparse.Namespace, cls, **extra):
-    return cls(**{**given(args, cls), **extra})
-
-
 # -- commands ---------------------------------------------------------------------------------------------
 def _cmd_demo_data(a) -> int:
-    from fastpipe.demo import DemoConfig, make_demo_data
+    from fastpipe.convert.demo import DemoConfig, make_demo_data
 
     cfg = config_from(a, DemoConfig)
     counts = make_demo_data(cfg)
@@ -128,7 +62,7 @@ def _cmd_merge(a) -> int:
 
 def _cmd_index(a) -> int:
     from fastpipe.convert.foreign import IndexConfig, index_only, index_shards
-    from fastpipe.storage import is_url
+    from fastpipe.store.remote import is_url
 
     cfg = config_from(a, IndexConfig)
     if cfg.idx_only:
@@ -157,7 +91,7 @@ def _cmd_index(a) -> int:
 def _cmd_inspect(a) -> int:
     check_location(a.out)
     from fastpipe.convert.inspect import inspect
-    from fastpipe.storage import is_url
+    from fastpipe.store.remote import is_url
 
     out = a.out if is_url(a.out) else local_path(a.out, "data set")
     report = inspect(out, verify=a.verify, repair=a.repair, cache_dir=a.cache_dir)
@@ -185,7 +119,7 @@ def _cmd_memory(a) -> int:
 
     extra = {}
     if a.data:
-        from fastpipe.manifest import load
+        from fastpipe.dataset.manifest import load
 
         extra["num_classes"] = load(a.data).num_classes
     from fastpipe.train.memory import analyse, format_report
@@ -262,9 +196,9 @@ def _configured(sub, name: str, cls, func, hint: str, **kw) -> argparse.Argument
 def build_parser() -> argparse.ArgumentParser:
     import fastpipe
     from fastpipe.bench.config import BenchConfig
+    from fastpipe.convert.demo import DemoConfig
     from fastpipe.convert.driver import ShardConfig
     from fastpipe.convert.foreign import IndexConfig
-    from fastpipe.demo import DemoConfig
     from fastpipe.predict.config import ExportConfig, PredictConfig
     from fastpipe.train.config import MemoryConfig, TrainConfig
 

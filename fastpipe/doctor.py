@@ -230,7 +230,7 @@ def check_shm() -> Check:
 
 def check_remote() -> list[Check]:
     """Which object stores this environment can read, and whether the store endpoints it names answer."""
-    from fastpipe.stores import installed_protocols
+    from fastpipe.store.clients import installed_protocols
 
     have = installed_protocols()
     found = ", ".join(f"{p}://" for p, ok in have.items() if ok) or "none"

@@ -13,11 +13,12 @@ Python API alike: the type, NaN and infinity, and the range, with the value and 
 
 from __future__ import annotations
 
+import argparse
 import math
 import re
 import types
 import typing
-from dataclasses import field, fields
+from dataclasses import MISSING, field, fields
 
 from fastpipe.errors import ConfigError
 
@@ -237,3 +238,67 @@ def check(cfg) -> None:
         value, name = getattr(cfg, f.name), flag_name(f.name, f.metadata)
         for v in (value if f.metadata.get("sweep") and isinstance(value, list) else [value]):
             _check_one(name, v, hints[f.name], f.metadata)
+
+
+# -- flags from config dataclasses ------------------------------------------------------------------------
+def _argtype(parse):
+    """argparse shows only ArgumentTypeError messages; ours explain the fix, so pass them through."""
+    def wrapped(text):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    wrapped.__name__ = getattr(parse, "__name__", "value")
+    return wrapped
+
+
+def _base_type(hint):
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args and typing.get_origin(hint) in (typing.Union, __import__("types").UnionType)\
+        else hint
+
+
+def _default(f):
+    if f.default is not MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not MISSING else None
+
+
+def _sweep(parse):
+    return lambda text: [parse(x.strip()) for x in str(text).split(",") if x.strip()]
+
+
+def add_config(p: argparse.ArgumentParser, cls, skip=()) -> None:
+    """One flag per field of `cls` with opt() metadata: --field-name, its help and default from the field.
+    Defaults are left out of the namespace (SUPPRESS), so `config_from` knows what the user typed."""
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        m = f.metadata
+        if not m or not m.get("cli", True) or f.name in skip:
+            continue
+        kind, default = _base_type(hints[f.name]), _default(f)
+        parse = m["parse"] or (kind if kind in (int, float, str) else str)
+        shown = "" if default in (None, False, "", []) or m["positional"] else f" (default: {default})"
+        if m["positional"]:
+            p.add_argument(f.name, metavar=m["flag"] or f.name.upper(), nargs=m["nargs"], type=_argtype(parse),
+                           help=m["help"])
+        elif kind is bool and not m["sweep"] and m["parse"] is None:  # else its parser's words (on/off)
+            action = "store_true" if default is False else argparse.BooleanOptionalAction
+            p.add_argument(m["flag"] or f"--{f.name.replace('_', '-')}", dest=f.name, action=action,
+                           default=argparse.SUPPRESS, help=m["help"] + shown)
+        else:
+            parse = _sweep(parse) if m["sweep"] else parse
+            help_ = m["help"] + shown + (" (comma-separated values are swept)" if m["sweep"] else "")
+            p.add_argument(m["flag"] or f"--{f.name.replace('_', '-')}", dest=f.name, type=_argtype(parse),
+                           choices=None if m["sweep"] else m["choices"], nargs=m["nargs"],
+                           default=argparse.SUPPRESS, help=help_)
+
+
+def given(args: argparse.Namespace, cls) -> dict:
+    """The settings of `cls` the user typed (and the positionals)."""
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in vars(args).items() if k in names}
+
+
+def config_from(args: argparse.Namespace, cls, **extra):
+    return cls(**{**given(args, cls), **extra})

@@ -1,11 +1,10 @@
-"""Small utilities every layer uses: atomic writes, bounded reads, folder locks, local paths, core counts."""
+"""Small utilities every layer uses: atomic writes, bounded reads, folder locks, core counts."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import re
 import socket
 import stat
 import sys
@@ -13,26 +12,12 @@ import threading
 import time
 from pathlib import Path
 
-from fastpipe.errors import BusyError, ConfigError, DataError
-from fastpipe.urls import redact
-
-URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+from fastpipe.errors import BusyError, DataError
 
 
 def usable_cores() -> int:
     """Cores this process may run on (the affinity mask: what a container or `taskset` allows)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def local_path(text: str | os.PathLike, what: str) -> Path:
-    """A local filesystem path; a URL (s3://, gs://, http://, pipe:...) is refused with a clear message instead
-    of becoming a local folder named 's3:'."""
-    s = os.fspath(text)
-    if URL_RE.match(s) or s.startswith("pipe:"):
-        raise ConfigError(f"{what} {redact(s)!r} is a URL: here a local folder is needed (a data set in object storage "
-                          f"is read by train, bench and make_loader, and written by `shard SRC URL`); copy the data "
-                          f"to a local disk (e.g. `aws s3 sync`, `gsutil -m rsync`) and pass that folder")
-    return Path(s)
 
 
 def unreachable(address: str, timeout: float = 10.0) -> str | None:

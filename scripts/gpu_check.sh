@@ -60,7 +60,7 @@ if [ ! -f "$DATA/shards/dataset.json" ]; then
   run 200 $PY -m fastpipe demo-data "$DATA/raw" --count 400 && \
   run 120 $PY -m fastpipe shard "$DATA/raw" "$DATA/shards" --max-shard-size 512KB
 fi
-note "shards: $($PY -c "from fastpipe.manifest import load; m=load('$DATA/shards'); print({k: v.samples for k, v in m.splits.items()})" 2>&1)"
+note "shards: $($PY -c "from fastpipe.dataset.manifest import load; m=load('$DATA/shards'); print({k: v.samples for k, v in m.splits.items()})" 2>&1)"
 
 # 3. loader or GPU? resnet18 and resnet50, every backend
 for model in resnet18 resnet50; do

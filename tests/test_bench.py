@@ -19,9 +19,9 @@ from fastpipe.bench.plan import PROBE_STEPS, Part, Schedule
 from fastpipe.bench.report import figure, plot, table, write_json
 from fastpipe.bench.timing import Budget
 from fastpipe.bench.verdict import LOADER_SECONDS, MIN_STEPS, advice
+from fastpipe.dataset.manifest import load
 from fastpipe.errors import ConfigError
 from fastpipe.loaders import cpu_ops
-from fastpipe.manifest import load
 
 QUICK = dict(steps=10, windows=2, warmup=1, device="cpu")
 SETTINGS = dict(data=".", batch_size=8, steps=10, windows=2, warmup=1, device="cpu")

@@ -9,9 +9,9 @@ import stat
 import pytest
 from conftest import epoch
 
-from fastpipe.cachefiles import CacheNotPrivate, private_folder
+from fastpipe.dataset.manifest import load
 from fastpipe.loaders import make_loader
-from fastpipe.manifest import load
+from fastpipe.store.cachefiles import CacheNotPrivate, private_folder
 from fastpipe.testing.devserver import FolderServer
 
 KW = dict(batch_size=8, image_size=32, device="cpu", num_workers=0, with_keys=True)

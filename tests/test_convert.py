@@ -19,9 +19,9 @@ from conftest import COLORS, make_folder, photo
 
 from fastpipe.convert.driver import ConvertError, ShardConfig, shard
 from fastpipe.convert.inspect import inspect
+from fastpipe.dataset.manifest import load
+from fastpipe.dataset.shardformat import read_index
 from fastpipe.errors import ConfigError, DataError
-from fastpipe.manifest import load
-from fastpipe.shardformat import read_index
 
 wds = pytest.importorskip("webdataset")  # absent on the GPU test machine: these tests run in CI
 
@@ -413,8 +413,8 @@ def test_conversion_workers_reuse_the_memory_they_free(tmp_path, monkeypatch):
     import multiprocessing
 
     from fastpipe.convert import photos, workers
+    from fastpipe.convert.demo import DemoConfig, make_demo_data
     from fastpipe.convert.images import ImageSettings
-    from fastpipe.demo import DemoConfig, make_demo_data
 
     make_demo_data(DemoConfig(tmp_path / "raw", count=8, width=1632, height=1224))
     paths = sorted(str(p) for p in (tmp_path / "raw").rglob("*.jpg"))
@@ -518,7 +518,7 @@ def test_merge_refuses_preview_candidates_outside_the_parts_shards(tmp_path, fol
     """A part manifest is input (in a bucket, anyone with write access made it): a preview sample that points
     outside that part's own shards is refused with the part named, never read."""
     from fastpipe.convert.merge import merge_parts
-    from fastpipe.manifest import ManifestError
+    from fastpipe.dataset.manifest import ManifestError
 
     out = tmp_path / "o"
     for i in range(2):
@@ -536,7 +536,7 @@ def test_merge_refuses_parts_that_saw_different_files(tmp_path, folder):
     """Each part plans the whole job from what it sees in SRC; a node whose copy differs (a photo changed) would
     cut the samples differently, so the merge refuses rather than leaving samples out or in twice."""
     from fastpipe.convert.merge import merge_parts
-    from fastpipe.manifest import ManifestError
+    from fastpipe.dataset.manifest import ManifestError
 
     other = shutil.copytree(folder, tmp_path / "node-2")
     victim = sorted(p for p in other.rglob("*.jpg"))[0]
@@ -551,7 +551,7 @@ def test_parts_written_before_the_plan_hash_still_compare_the_source_path(tmp_pa
     """Part manifests without `settings.plan` (written by an earlier fastpipe) have nothing else to show they saw
     the same files: parts from two SRC paths are refused, as they were; from one path they merge."""
     from fastpipe.convert.merge import merge_parts
-    from fastpipe.manifest import ManifestError
+    from fastpipe.dataset.manifest import ManifestError
 
     other = shutil.copytree(folder, tmp_path / "node-2")
     for out, second in ((tmp_path / "two", other), (tmp_path / "one", folder)):
@@ -586,7 +586,7 @@ def test_an_output_written_before_the_source_path_left_the_fingerprint_is_up_to_
 
 def test_merge_refuses_missing_parts(tmp_path, folder):
     from fastpipe.convert.merge import merge_parts
-    from fastpipe.manifest import ManifestError
+    from fastpipe.dataset.manifest import ManifestError
 
     shard(cfg(folder, tmp_path / "o", parts=2, part=1))
     with pytest.raises(ManifestError, match=r"parts \[0\] of 2"):
@@ -709,7 +709,7 @@ def test_cli_help_and_clear_errors(tmp_path):
 
 
 def test_demo_data_is_deterministic_and_dirty(tmp_path):
-    from fastpipe.demo import DemoConfig, make_demo_data
+    from fastpipe.convert.demo import DemoConfig, make_demo_data
 
     kw = dict(count=14, width=320, height=240, workers=1)
     make_demo_data(DemoConfig(tmp_path / "a", **kw))
@@ -764,7 +764,7 @@ def test_doctor_gives_optional_suggestions_as_info_not_warnings(capsys):
 
 
 def test_missing_or_damaged_manifest_says_what_to_run(tmp_path):
-    from fastpipe.manifest import ManifestError
+    from fastpipe.dataset.manifest import ManifestError
 
     with pytest.raises(ManifestError, match="fastpipe shard"):
         load(tmp_path)

@@ -1,4 +1,4 @@
-"""The header checks every decoder's input passes first (fastpipe/imageguard.py), and each decoder path refusing
+"""The header checks every decoder's input passes first (fastpipe/dataset/imageguard.py), and each decoder path refusing
 what they refuse: a JPEG of more scans than libjpeg-turbo's limit, more pixels than the data set's limit."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 from jpegs import encode
 from PIL import Image
 
-from fastpipe import imageguard
+from fastpipe.convert.demo import render
 from fastpipe.convert.images import ImageSettings, Rejected, process
-from fastpipe.demo import render
-from fastpipe.imageguard import MAX_SCANS
+from fastpipe.dataset import imageguard
+from fastpipe.dataset.imageguard import MAX_SCANS
 from fastpipe.loaders import cpu_ops, jpegcrop
 
 RGB = np.asarray(render("pipe_crack", 96, 72, 2))
@@ -95,7 +95,7 @@ def test_foreign_shards_holding_hostile_images_index_and_load_with_them_skipped(
 
     from fastpipe import make_loader
     from fastpipe.cli import main
-    from fastpipe.manifest import load
+    from fastpipe.dataset.manifest import load
 
     out = tmp_path / "foreign"
     out.mkdir()

@@ -19,11 +19,11 @@ import torch
 from PIL import Image
 
 from fastpipe import make_loader
-from fastpipe.demo import render
+from fastpipe.convert.demo import render
+from fastpipe.dataset.manifest import load
+from fastpipe.dataset.shardformat import read_index
 from fastpipe.errors import MissingDependency
 from fastpipe.loaders import cpu_ops, jpegcrop
-from fastpipe.manifest import load
-from fastpipe.shardformat import read_index
 
 ROOT = Path(__file__).resolve().parent.parent
 built = pytest.mark.skipif(jpegcrop.ext is None, reason=f"crop decoder not built ({jpegcrop.absent})")
@@ -150,7 +150,7 @@ def test_a_jpeg_of_more_scans_than_the_limit_is_refused_as_it_decodes():
     """The progress monitor stops the decoder at scan MAX_SCANS + 1 (a valid file that repeats its DC scan)."""
     from jpegs import encode
 
-    from fastpipe.imageguard import MAX_SCANS
+    from fastpipe.dataset.imageguard import MAX_SCANS
 
     rgb = np.asarray(render("leaf_rust", 64, 48, 0))
     assert jpegcrop.decode_box(encode(rgb, scans=MAX_SCANS), 1, (0, 0, 64, 48)).shape == (48, 64, 3)

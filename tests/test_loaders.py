@@ -16,11 +16,11 @@ from conftest import make_folder
 
 from fastpipe import make_loader
 from fastpipe.convert.driver import ShardConfig, shard
+from fastpipe.dataset.manifest import load
+from fastpipe.dataset.shardformat import read_index
 from fastpipe.errors import ConfigError
 from fastpipe.loaders.epoch import TrainOrder, batches_per_epoch, step_slice, val_batches, worker_batches
 from fastpipe.loaders.shards import ShardError
-from fastpipe.manifest import load
-from fastpipe.shardformat import read_index
 
 REAL = ["torch", "nvjpeg", pytest.param("dali", marks=pytest.mark.dali)]
 KW = dict(batch_size=8, image_size=48, device="cpu")
@@ -104,7 +104,7 @@ def test_a_channel_that_never_varies_is_normalised_with_the_std_recorded(convert
     description (what a run records) says that number, not the 0 it would divide by."""
     from dataclasses import replace
 
-    from fastpipe.manifest import Stats, save
+    from fastpipe.dataset.manifest import Stats, save
     from fastpipe.options import STD_FLOOR
 
     out = tmp_path / "flat"

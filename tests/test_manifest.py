@@ -11,9 +11,9 @@ import pytest
 
 from fastpipe import make_loader
 from fastpipe.convert.inspect import inspect
+from fastpipe.dataset.manifest import ManifestError, load
 from fastpipe.errors import DataError
 from fastpipe.loaders.shards import ShardError
-from fastpipe.manifest import ManifestError, load
 
 
 @pytest.fixture

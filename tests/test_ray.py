@@ -25,7 +25,7 @@ ray = pytest.importorskip("ray")
 
 from fastpipe.convert import photos  # noqa: E402
 from fastpipe.convert.driver import ShardConfig, shard  # noqa: E402
-from fastpipe.storage import Remote  # noqa: E402
+from fastpipe.store.remote import Remote  # noqa: E402
 
 TIMEOUT = 600  # seconds a test may take: a cluster that hangs fails its test instead of holding the machine
 BUCKET_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}

@@ -21,8 +21,8 @@ from PIL import Image
 
 from fastpipe import make_loader
 from fastpipe.convert.driver import ShardConfig, shard
-from fastpipe.manifest import load
-from fastpipe.shardformat import read_index, read_member
+from fastpipe.dataset.manifest import load
+from fastpipe.dataset.shardformat import read_index, read_member
 
 # Hugging Face's libraries read these at import: nothing here may reach the network.
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -23,10 +23,10 @@ import torch
 from conftest import epoch, make_folder
 from test_loaders import REAL_MODES
 
+from fastpipe.dataset.manifest import load
 from fastpipe.errors import DataError
 from fastpipe.loaders import make_loader
-from fastpipe.manifest import load
-from fastpipe.storage import Remote, RemoteError
+from fastpipe.store.remote import Remote, RemoteError
 from fastpipe.testing.devserver import Faults, FolderServer
 
 KW = dict(batch_size=8, image_size=32, device="cpu", with_keys=True)
@@ -303,7 +303,7 @@ def test_a_forked_worker_leaves_the_parents_clients_alone(converted):
     import gc
     import weakref
 
-    from fastpipe.storage import Remote
+    from fastpipe.store.remote import Remote
 
     with FolderServer(converted) as url:
         gc.collect()  # the garbage of earlier tests (a Ray client's, say) is not this test's to collect in a fork
@@ -441,9 +441,9 @@ def test_inspect_repair_of_a_url_rewrites_its_indexes_in_the_store(kind, convert
 
     from fastpipe.convert.driver import ShardConfig, shard
     from fastpipe.convert.inspect import inspect
-    from fastpipe.manifest import save
-    from fastpipe.shardformat import read_index, sha256_file
-    from fastpipe.storage import Remote
+    from fastpipe.dataset.manifest import save
+    from fastpipe.dataset.shardformat import read_index, sha256_file
+    from fastpipe.store.remote import Remote
 
     endpoint, opts = s3_bucket
     opts = {**opts, "client_kwargs": {**opts["client_kwargs"], "endpoint_url": endpoint}}
@@ -508,7 +508,7 @@ def test_local_paths_are_unchanged(converted):
 
 
 def _upload(folder, url: str) -> None:
-    from fastpipe.storage import Remote
+    from fastpipe.store.remote import Remote
 
     Remote(url).put_many([(p, p.relative_to(folder).as_posix()) for p in folder.rglob("*") if p.is_file()])
 
@@ -634,7 +634,7 @@ def test_shard_into_s3_gives_the_local_bytes_and_leaves_only_the_cache(folder, t
     shard(ShardConfig(folder, tmp_path / "local", **settings))
     assert main(["shard", str(folder), "s3://leafs/written/v1", "--short-side", "48", "--val-fraction", "0.25",
                  "--max-shard-size", "64KB", "--workers", "1"]) == 0
-    from fastpipe.storage import Remote
+    from fastpipe.store.remote import Remote
 
     remote = Remote("s3://leafs/written/v1")
     local = sorted(p.relative_to(tmp_path / "local").as_posix() for p in (tmp_path / "local").rglob("*")
@@ -675,7 +675,7 @@ def test_an_interrupted_upload_resumes_with_the_same_bytes(folder, tmp_path, s3_
     """The store fails while `shard SRC s3://...` uploads: the run says so and keeps its staging folder, the
     bucket has no dataset.json (no reader sees a partial set), and the same command run again finishes it."""
     from fastpipe.cli import main
-    from fastpipe.storage import Remote
+    from fastpipe.store.remote import Remote
 
     endpoint, _ = s3_bucket
     for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
@@ -710,7 +710,7 @@ def test_a_conversion_whose_machine_is_lost_resumes_on_another(tmp_path, s3_buck
 
     from fastpipe.cli import main
     from fastpipe.convert.journal import journal_shards
-    from fastpipe.storage import Remote
+    from fastpipe.store.remote import Remote
 
     endpoint, _ = s3_bucket
     env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
@@ -772,7 +772,7 @@ def test_parts_into_a_bucket_then_merge_there(folder, tmp_path, s3_bucket, monke
     from fastpipe.cli import main
     from fastpipe.convert.driver import ShardConfig, shard
     from fastpipe.convert.merge import merge_parts
-    from fastpipe.storage import Remote
+    from fastpipe.store.remote import Remote
 
     endpoint, _ = s3_bucket
     for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
@@ -812,7 +812,7 @@ def test_index_adopts_foreign_shards_in_a_bucket(tmp_path, s3_bucket, monkeypatc
 
     from fastpipe.cli import main
     from fastpipe.convert.foreign import IndexConfig, index_shards
-    from fastpipe.storage import Remote
+    from fastpipe.store.remote import Remote
 
     endpoint, _ = s3_bucket
     for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",

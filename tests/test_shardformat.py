@@ -11,8 +11,8 @@ import pytest
 from conftest import COLORS, photo
 
 from fastpipe.convert.foreign import IndexConfig, index_only, index_shards
+from fastpipe.dataset.shardformat import decode_label, index_tar, member_chunk, read_index, tar_header
 from fastpipe.errors import DataError
-from fastpipe.shardformat import decode_label, index_tar, member_chunk, read_index, tar_header
 
 
 def tar(path: Path, members: list[tuple[str, bytes]], links: dict[str, tuple[str, bytes]] | None = None) -> Path:
@@ -162,7 +162,7 @@ def test_tar_headers_are_recognised_in_every_format_tarfile_writes():
     image bytes are not headers."""
     import numpy as np
 
-    from fastpipe.shardformat import headers_match
+    from fastpipe.dataset.shardformat import headers_match
 
     blocks, sizes = [], []
     for fmt in (tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT):

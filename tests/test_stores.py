@@ -18,7 +18,7 @@ import torch
 from conftest import epoch
 
 from fastpipe.loaders import make_loader
-from fastpipe.storage import Remote, RemoteError
+from fastpipe.store.remote import Remote, RemoteError
 from fastpipe.testing.devserver import Faults, FolderServer
 
 KW = dict(batch_size=8, image_size=32, device="cpu", with_keys=True)
@@ -167,7 +167,7 @@ def test_parts_into_the_store_then_merge_there(store, folder, tmp_path, monkeypa
     from fastpipe.cli import main
     from fastpipe.convert.driver import ShardConfig, shard
     from fastpipe.convert.merge import merge_parts
-    from fastpipe.manifest import load
+    from fastpipe.dataset.manifest import load
 
     request.getfixturevalue({"gs": "gcs", "az": "azure"}[store])
     monkeypatch.setenv("FASTPIPE_CACHE", str(tmp_path / "cache" / "shards"))

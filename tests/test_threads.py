@@ -176,7 +176,7 @@ def test_bench_builds_its_loaders_in_the_mode_asked(converted):
     """`fastpipe bench --threads on,off`: each row's loader has the workers its row says."""
     from fastpipe.bench.config import BenchConfig
     from fastpipe.bench.parts import loader
-    from fastpipe.manifest import load
+    from fastpipe.dataset.manifest import load
 
     m = load(converted)
     rows = {t: loader(BenchConfig(data=str(converted), device="cpu", workers=2, threads=t, batch_size=8,

@@ -16,12 +16,12 @@ import psutil
 import pytest
 from conftest import COLORS, make_folder, photo
 
+from fastpipe.dataset.manifest import ManifestError, load
 from fastpipe.errors import ConfigError, DataError
 from fastpipe.loaders import make_loader
-from fastpipe.manifest import ManifestError, load
-from fastpipe.storage import RemoteError
+from fastpipe.store.remote import RemoteError
+from fastpipe.store.urls import check_relative, redact
 from fastpipe.testing.devserver import Faults, FolderServer
-from fastpipe.urls import check_relative, redact
 
 pytestmark = pytest.mark.usefixtures("quick_retries")
 KW = dict(batch_size=8, image_size=32, device="cpu", num_workers=0)
@@ -211,7 +211,7 @@ def test_an_index_is_held_to_the_same_limit(converted, tmp_path, fast_deadline):
 
 def test_a_download_that_trickles_fails_within_its_deadline(converted, tmp_path, fast_deadline):
     """Whole-file downloads (a conversion resumed from a store, shards adopted from a bucket) have a deadline too."""
-    from fastpipe.storage import Remote
+    from fastpipe.store.remote import Remote
 
     shard = load(converted).split("val").shards[0].path
     with FolderServer(converted, Faults(trickle=0.3, only=".tar")) as url:
@@ -246,7 +246,7 @@ def test_a_data_set_redirected_to_another_host_is_refused(converted, tmp_path, w
 def test_a_redirect_within_the_origin_is_followed_and_bounded(converted, tmp_path):
     """Within one origin a redirect is followed (the same samples as from disk); an endless chain of them stops
     after MAX_REDIRECTS hops."""
-    from fastpipe.stores import MAX_REDIRECTS
+    from fastpipe.store.clients import MAX_REDIRECTS
 
     root = _served_twice(converted, tmp_path)
     local = epoch_keys(make_loader(converted, split="val", with_keys=True, **KW))

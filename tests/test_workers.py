@@ -13,8 +13,8 @@ import time
 from test_loaders import KW, _corrupt_one_sample
 
 from fastpipe import make_loader
+from fastpipe.dataset.manifest import load
 from fastpipe.loaders.epoch import batches_per_epoch
-from fastpipe.manifest import load
 
 
 def test_workers_ignore_a_foreign_sigterm_but_obey_their_main_process(converted):

@@ -15,8 +15,8 @@ from fastpipe.options import (
     parse_onoff,
     parse_workers,
 )
+from fastpipe.store.urls import check_location
 from fastpipe.train.config import train_normalize
-from fastpipe.urls import check_location
 
 CPU_BUDGET = 300.0  # seconds for a whole bench on a CPU unless --max-seconds says otherwise
 

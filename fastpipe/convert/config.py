@@ -10,9 +10,8 @@ from fastpipe.convert import images
 from fastpipe.convert.sources import MAX_ROWS
 from fastpipe.errors import ConfigError, MissingDependency
 from fastpipe.options import SEED_MAX, check, opt, parse_procs, parse_size
-from fastpipe.storage import is_url
-from fastpipe.urls import check_location
-from fastpipe.util import local_path
+from fastpipe.store.remote import is_url
+from fastpipe.store.urls import check_location, local_path
 
 SPLITS = ("train", "val")
 DEFAULT_SHARD_SIZE = 256 * 1024**2

@@ -10,7 +10,7 @@ from fastpipe.convert.listing import from_store
 from fastpipe.convert.lists import LIST_SUFFIXES, from_list
 from fastpipe.convert.sources import MAX_ROWS, Source, check_rows, from_folder
 from fastpipe.errors import ConfigError
-from fastpipe.storage import is_url
+from fastpipe.store.remote import is_url
 
 
 def discover(src: str | os.PathLike, exclude=None, limit: int = 1 << 30, max_rows: int = MAX_ROWS,

@@ -24,11 +24,11 @@ from fastpipe.convert.sources import Rejection
 from fastpipe.convert.summary import Summary, summarise
 from fastpipe.convert.workers import Workers
 from fastpipe.convert.writer import ShardWriter
+from fastpipe.dataset.manifest import Components, Manifest, SplitInfo, Stats
+from fastpipe.dataset.shardformat import encode_label
 from fastpipe.errors import DataError
-from fastpipe.manifest import Components, Manifest, SplitInfo, Stats
-from fastpipe.shardformat import encode_label
-from fastpipe.storage import is_url
-from fastpipe.urls import redact
+from fastpipe.store.remote import is_url
+from fastpipe.store.urls import redact
 from fastpipe.util import FolderLock, usable_cores, write_json_atomic, write_jsonl_atomic
 
 

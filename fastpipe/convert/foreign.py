@@ -26,13 +26,11 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from fastpipe import imageguard
 from fastpipe.convert import outputs, previews, readers
 from fastpipe.convert.publish import staging_folder, upload
-from fastpipe.errors import ConfigError, DataError
-from fastpipe.manifest import MANIFEST_NAME, Components, Manifest, ShardInfo, SplitInfo, Stats, load, save
-from fastpipe.options import check, opt
-from fastpipe.shardformat import (
+from fastpipe.dataset import imageguard
+from fastpipe.dataset.manifest import MANIFEST_NAME, Components, Manifest, ShardInfo, SplitInfo, Stats, load, save
+from fastpipe.dataset.shardformat import (
     IMAGE_EXTS,
     LABEL_EXTS,
     decode_label,
@@ -43,8 +41,11 @@ from fastpipe.shardformat import (
     sha256_file,
     write_index,
 )
-from fastpipe.storage import Remote, is_url
-from fastpipe.util import FolderLock, local_path
+from fastpipe.errors import ConfigError, DataError
+from fastpipe.options import check, opt
+from fastpipe.store.remote import Remote, is_url
+from fastpipe.store.urls import local_path
+from fastpipe.util import FolderLock
 
 MAX_CLASSES = 100_000  # without --classes, a label above this is damage, not a class index
 MAX_STATS_IMAGE = 64 * 1024**2

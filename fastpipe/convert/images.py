@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from fastpipe import imageguard
+from fastpipe.dataset import imageguard
 
 # Closed list of rejection reasons; anything recorded in rejected.jsonl is one of these.
 REASONS = (

@@ -15,18 +15,19 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from fastpipe import imageguard
 from fastpipe.convert.repair import repair_indexes
-from fastpipe.errors import DataError
-from fastpipe.manifest import Manifest, load
-from fastpipe.shardformat import (
+from fastpipe.dataset import imageguard
+from fastpipe.dataset.manifest import Manifest, load
+from fastpipe.dataset.shardformat import (
     BLOCK,
     decode_label,
     parse_index,
+    range_as_indexed,
     read_index,
     read_member,
     sha256_file,
 )
+from fastpipe.errors import DataError
 
 _BUFFER = re.compile(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>")
 
@@ -150,7 +151,7 @@ def _cached_whole(m: Manifest, shard) -> tuple[Path, list]:
     """(the node cache's file holding the store's shard whole, its index as in the store). The cache uses the
     loaders' files and sample spans (cache.tiling) and checks the shard against its sha256 as it completes,
     fetching a bad copy once more; the file holds the shard's bytes at their own offsets."""
-    from fastpipe.cache import ShardCache, tiling
+    from fastpipe.store.cache import ShardCache, tiling
 
     r = m.remote
     exts = [e for e in (m.components.image, m.components.label_bin or m.components.label, m.components.meta) if e]
@@ -159,7 +160,7 @@ def _cached_whole(m: Manifest, shard) -> tuple[Path, list]:
     heads = np.array([(parts[exts[0]][0] - BLOCK, parts[exts[0]][1]) if exts[0] in parts else (-1, -1)
                       for _, parts in samples], np.int64)  # a sample without an image is reported by the check
     cache = ShardCache(r, r.cache_dir, r.cache_limit, [shard.path], [shard.bytes], [shard.sha256],
-                       [tiling(ends, shard.bytes)], [heads.reshape(-1, 2)])
+                       [tiling(ends, shard.bytes)], [heads.reshape(-1, 2)], range_as_indexed)
     cache.check(0)
     cache.ensure({0: np.arange(len(samples))})
     return cache.path(0), samples

@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastpipe.manifest import ShardInfo, Stats
-from fastpipe.shardformat import sha256_file
+from fastpipe.dataset.manifest import ShardInfo, Stats
+from fastpipe.dataset.shardformat import sha256_file
 
 
 @dataclass

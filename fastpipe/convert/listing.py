@@ -9,7 +9,7 @@ relative to the list's folder, or a URL inside that folder. Every name is held t
 --max-file-size is refused from the listing's size, without being read. An http(s) server has no listing: there, SRC
 must be a list.
 
-The photos themselves are read later, by whichever process converts them (photos.py), through storage.Remote.
+The photos themselves are read later, by whichever process converts them (photos.py), through store.remote.Remote.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from __future__ import annotations
 from fastpipe.convert.lists import LIST_SUFFIXES, from_bytes
 from fastpipe.convert.sources import MAX_ROWS, Item, Rejection, Source, check_rows, class_order, is_hidden, numeric_note
 from fastpipe.errors import ConfigError, DataError
-from fastpipe.storage import Remote, is_url
-from fastpipe.urls import check_relative, redact
+from fastpipe.store.remote import Remote, is_url
+from fastpipe.store.urls import check_relative, redact
 
 BAD_NAME = ("the object's name holds what a URL would decode or normalise (%, ?, #, \\, a control character, an "
             "empty, '.' or '..' segment): rename it")

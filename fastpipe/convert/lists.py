@@ -23,7 +23,7 @@ from pathlib import Path
 
 from fastpipe.convert.sources import Item, Rejection, Source, class_order, numeric_note
 from fastpipe.errors import DataError
-from fastpipe.urls import holds_secret, redact
+from fastpipe.store.urls import holds_secret, redact
 
 LIST_SUFFIXES = {".csv", ".txt", ".tsv", ".lst"}
 HEADER_WORDS = {"label", "labels", "class", "classes", "category", "target", "y", "class_id", "classid",

@@ -18,9 +18,10 @@ from pathlib import Path
 
 from fastpipe.convert import outputs, previews, readers
 from fastpipe.convert.publish import staging_folder, upload
-from fastpipe.manifest import MANIFEST_NAME, Manifest, ManifestError, SplitInfo, Stats, from_dict, load, save
-from fastpipe.storage import Remote, is_url
-from fastpipe.util import FolderLock, local_path, write_jsonl_atomic
+from fastpipe.dataset.manifest import MANIFEST_NAME, Manifest, ManifestError, SplitInfo, Stats, from_dict, load, save
+from fastpipe.store.remote import Remote, is_url
+from fastpipe.store.urls import local_path
+from fastpipe.util import FolderLock, write_jsonl_atomic
 
 PART_RE = re.compile(r"dataset\.part-(\d{3})-of-(\d{3})\.json$")
 

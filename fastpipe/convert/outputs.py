@@ -16,8 +16,8 @@ import json
 import re
 from pathlib import Path
 
+from fastpipe.dataset.manifest import ManifestError, from_dict
 from fastpipe.errors import ConfigError
-from fastpipe.manifest import ManifestError, from_dict
 
 
 def shard_pattern(prefix: str) -> re.Pattern:

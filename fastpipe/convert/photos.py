@@ -3,7 +3,7 @@ plan's duplicate check) and converting it (images.process).
 
 A photo is named by its location: a path on this machine, or a URL inside SRC's folder in a store. Either way it is
 read whole and at most --max-file-size bytes: a local file through util.read_regular (regular files only), an object
-through storage.Remote (bounded, retried, cut off past the limit). What the photo itself is to blame for becomes a
+through store.remote.Remote (bounded, retried, cut off past the limit). What the photo itself is to blame for becomes a
 `Rejected` (a reason of images.REASONS); what it is not (a store that keeps failing, credentials it refuses) stops
 the conversion, naming the photo: a node without credentials would otherwise reject every photo it was given.
 
@@ -26,8 +26,8 @@ from PIL import Image
 
 from fastpipe.convert import images
 from fastpipe.errors import DataError
-from fastpipe.storage import Remote, RemoteError, is_url
-from fastpipe.stores import ObjectTooLarge
+from fastpipe.store.clients import ObjectTooLarge
+from fastpipe.store.remote import Remote, RemoteError, is_url
 from fastpipe.util import FileTooLarge, NotRegularFile, read_regular
 
 

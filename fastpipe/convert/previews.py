@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from fastpipe import imageguard
-from fastpipe.manifest import Manifest
-from fastpipe.shardformat import decode_label, read_index, read_member
+from fastpipe.dataset import imageguard
+from fastpipe.dataset.manifest import Manifest
+from fastpipe.dataset.shardformat import decode_label, read_index, read_member
 from fastpipe.util import atomic_write_bytes
 
 CELL = 220

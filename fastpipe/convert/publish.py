@@ -22,10 +22,10 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-from fastpipe.cache import default_cache_dir
-from fastpipe.cachefiles import private_folder
 from fastpipe.convert.journal import journal_name, journal_shards
-from fastpipe.storage import Remote
+from fastpipe.store.cache import default_cache_dir
+from fastpipe.store.cachefiles import private_folder
+from fastpipe.store.remote import Remote
 from fastpipe.util import Ticker
 
 

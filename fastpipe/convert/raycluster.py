@@ -22,7 +22,7 @@ import psutil
 import ray
 
 from fastpipe.errors import ConfigError
-from fastpipe.urls import redact
+from fastpipe.store.urls import redact
 from fastpipe.util import unreachable, usable_cores
 
 WATCH_SECONDS = 1.0  # how often the board looks whether the process that made it is still there

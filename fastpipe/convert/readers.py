@@ -18,8 +18,8 @@ import json
 import warnings
 from pathlib import Path
 
+from fastpipe.dataset.manifest import Manifest
 from fastpipe.errors import FastpipeWarning
-from fastpipe.manifest import Manifest
 from fastpipe.util import atomic_write_text
 
 TIMM_INFO = "_info.json"

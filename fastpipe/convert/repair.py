@@ -15,8 +15,8 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from fastpipe.manifest import MANIFEST_NAME, Manifest, SplitInfo, save
-from fastpipe.shardformat import (
+from fastpipe.dataset.manifest import MANIFEST_NAME, Manifest, SplitInfo, save
+from fastpipe.dataset.shardformat import (
     decode_label,
     entry_line,
     parse_index,

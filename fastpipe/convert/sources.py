@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastpipe.errors import DataError
-from fastpipe.urls import redact
+from fastpipe.store.urls import redact
 
 # Files and folders every photo collection carries that are not photos: ignored, and counted in the summary.
 MAX_ROWS = 1_000_000  # rows a list may have unless --max-rows says more: each is a photo read, from a store a request
@@ -54,7 +54,7 @@ class Source:
     ignored: int = 0  # hidden and system files
     notes: tuple[str, ...] = ()  # what the summary should tell (header row, numeric labels, ...)
     multilabel: bool = False  # items' labels are label sets, "a;b" (sorted names joined by ';', "" for none)
-    remote: object = None  # storage.Remote of `root` when SRC is in a store
+    remote: object = None  # store.remote.Remote of `root` when SRC is in a store
 
 
 def check_rows(chunks, where: str, limit: int) -> None:

@@ -11,8 +11,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastpipe.manifest import ShardInfo
-from fastpipe.shardformat import BLOCK, index_line, member_chunk, sample_bytes, write_index
+from fastpipe.dataset.manifest import ShardInfo
+from fastpipe.dataset.shardformat import BLOCK, index_line, member_chunk, sample_bytes, write_index
 from fastpipe.util import signals_deferred
 
 

@@ -6,9 +6,9 @@ import importlib
 import os
 from dataclasses import fields
 
+from fastpipe.dataset.manifest import Manifest, load
 from fastpipe.errors import ConfigError
 from fastpipe.loaders.config import LoaderConfig
-from fastpipe.manifest import Manifest, load
 
 # name → "module:class"; imported on demand so that DALI is only imported when asked for.
 BACKENDS = {

@@ -21,11 +21,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from fastpipe.dataset.manifest import Manifest
 from fastpipe.errors import ConfigError, DataError, FastpipeWarning
 from fastpipe.loaders.batch import HostBatch, SampleKey
 from fastpipe.loaders.config import LoaderConfig
 from fastpipe.loaders.epoch import batches_per_epoch
-from fastpipe.manifest import Manifest
 from fastpipe.options import check_number, normalization
 
 MAX_EPOCH = 1_000_000  # a loader state's epoch beyond this is damage, not a long run

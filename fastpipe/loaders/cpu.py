@@ -5,7 +5,7 @@ worker processes, whose buffers are in shared memory."""
 
 from __future__ import annotations
 
-from fastpipe import imageguard
+from fastpipe.dataset import imageguard
 from fastpipe.loaders import cpu_ops
 from fastpipe.loaders.batch import BufferPool, HostBatch
 from fastpipe.loaders.prepare import CpuDecode

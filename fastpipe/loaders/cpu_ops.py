@@ -26,9 +26,9 @@ import math
 import numpy as np
 from PIL import Image
 
-from fastpipe import imageguard
+from fastpipe.dataset import imageguard
+from fastpipe.dataset.imageguard import DEFAULT_MAX_PIXELS
 from fastpipe.errors import MissingDependency
-from fastpipe.imageguard import DEFAULT_MAX_PIXELS
 from fastpipe.loaders import jpegcrop
 
 RESAMPLE = Image.Resampling.BILINEAR  # Pillow's bilinear is antialiased when shrinking, like torchvision's

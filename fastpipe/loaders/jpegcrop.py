@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fastpipe.dataset.imageguard import MAX_SCANS
 from fastpipe.errors import MissingDependency
-from fastpipe.imageguard import MAX_SCANS
 
 try:
     from fastpipe import _jpegcrop as ext

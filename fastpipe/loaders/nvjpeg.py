@@ -14,7 +14,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from fastpipe import imageguard
+from fastpipe.dataset import imageguard
 from fastpipe.loaders import cpu_ops, jpegcrop
 from fastpipe.loaders.batch import HostBatch
 from fastpipe.loaders.prepare import EncodedBytes, SampleError

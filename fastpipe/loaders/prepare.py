@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fastpipe.dataset.imageguard import DEFAULT_MAX_PIXELS
 from fastpipe.errors import DataError
-from fastpipe.imageguard import DEFAULT_MAX_PIXELS
 from fastpipe.loaders import cpu_ops
 from fastpipe.loaders.batch import BufferPool, HostBatch
 from fastpipe.loaders.config import LoaderConfig

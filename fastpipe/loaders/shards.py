@@ -17,10 +17,10 @@ from pathlib import PurePosixPath
 import numpy as np
 import torch
 
+from fastpipe.dataset.manifest import MANIFEST_NAME, Manifest
+from fastpipe.dataset.shardformat import BLOCK, decode_label, parse_index, range_as_indexed, read_index
 from fastpipe.errors import DataError
 from fastpipe.loaders.epoch import Piece
-from fastpipe.manifest import MANIFEST_NAME, Manifest
-from fastpipe.shardformat import BLOCK, decode_label, parse_index, read_index
 
 
 class ShardError(DataError):
@@ -122,8 +122,8 @@ class ShardSet:
     def _check_remote(self, manifest: Manifest, info) -> None:
         """The indexes, from the node's cache or fetched (concurrently), checked as for local shards; the shards'
         bytes are fetched when read. A cached shard is checked against its sha256 before use."""
-        from fastpipe.cache import ShardCache, tiling
-        from fastpipe.cachefiles import cached_indexes, keep_index
+        from fastpipe.store.cache import ShardCache, tiling
+        from fastpipe.store.cachefiles import cached_indexes, keep_index
 
         r = self.remote
         texts, cached = cached_indexes(r, r.cache_dir, [s.index for s in info.shards], [s.sha256 for s in info.shards])
@@ -144,7 +144,8 @@ class ShardSet:
                                 shard.bytes))
             heads.append(np.stack([self.offsets[rows, 0] - BLOCK, self.sizes[rows, 0]], 1))
         self.cache = ShardCache(r, r.cache_dir, r.cache_limit, [s.path for s in info.shards],
-                                [s.bytes for s in info.shards], [s.sha256 for s in info.shards], spans, heads)
+                                [s.bytes for s in info.shards], [s.sha256 for s in info.shards], spans, heads,
+                                range_as_indexed)
         for i in range(len(info.shards)):
             self.cache.check(i)
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from fastpipe.dataset.manifest import Manifest
 from fastpipe.errors import FastpipeError, FastpipeWarning
 from fastpipe.loaders import cpu_ops
 from fastpipe.loaders.base import Loader
@@ -29,7 +30,6 @@ from fastpipe.loaders.config import LoaderConfig
 from fastpipe.loaders.epoch import TrainOrder, batches_per_epoch, step_slice, val_batches
 from fastpipe.loaders.shards import ShardSet
 from fastpipe.loaders.threads import LoaderThreads
-from fastpipe.manifest import Manifest
 
 
 def train_order(shards: ShardSet, cfg: LoaderConfig, manifest: Manifest) -> TrainOrder:

@@ -8,7 +8,7 @@ from pathlib import Path
 from fastpipe.errors import ConfigError
 from fastpipe.loaders.config import LoaderConfig
 from fastpipe.options import check, opt, parse_procs
-from fastpipe.urls import check_location
+from fastpipe.store.urls import check_location
 
 BACKENDS = ("torch", "dali", "nvjpeg")
 FORMATS = ("csv", "jsonl")

@@ -16,8 +16,8 @@ from fastpipe.convert.discovery import discover
 from fastpipe.convert.lists import LIST_SUFFIXES
 from fastpipe.convert.sources import Rejection, Source, display, files_below, is_hidden
 from fastpipe.errors import ConfigError, DataError
-from fastpipe.storage import Remote, is_url
-from fastpipe.urls import check_location, check_relative
+from fastpipe.store.remote import Remote, is_url
+from fastpipe.store.urls import check_location, check_relative
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class Photo:
 class Photos:
     items: tuple[Photo, ...]
     rejections: tuple[Rejection, ...]
-    remote: object = None  # storage.Remote of SRC's folder in a store
+    remote: object = None  # store.remote.Remote of SRC's folder in a store
     notes: tuple[str, ...] = ()
     ignored: int = 0
 

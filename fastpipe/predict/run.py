@@ -18,13 +18,13 @@ from tqdm import tqdm
 from fastpipe.convert import images
 from fastpipe.convert.workers import Workers
 from fastpipe.convert.writer import ShardWriter
+from fastpipe.dataset.manifest import Components, Manifest, SplitInfo, Stats
+from fastpipe.dataset.shardformat import encode_label
 from fastpipe.loaders import make_loader_from
-from fastpipe.manifest import Components, Manifest, SplitInfo, Stats
 from fastpipe.predict import photos
 from fastpipe.predict.config import PredictConfig
 from fastpipe.predict.model import Model, load_model
 from fastpipe.predict.output import Output, Row
-from fastpipe.shardformat import encode_label
 
 
 @dataclass

@@ -17,7 +17,7 @@ from fastpipe.options import (
     parse_onoff,
     parse_workers,
 )
-from fastpipe.urls import check_location
+from fastpipe.store.urls import check_location
 
 AMP_MODES = ("fp16", "bf16", "off")
 OPTIMIZERS = ("sgd", "adamw")

@@ -18,9 +18,9 @@ import torch.distributed as dist
 from torch import nn
 
 from fastpipe import __version__
+from fastpipe.dataset.manifest import load
 from fastpipe.errors import ConfigError
 from fastpipe.loaders import LoaderConfig, make_loader_from
-from fastpipe.manifest import load
 from fastpipe.options import amp_for, check_number, normalization, normalize_text
 from fastpipe.train.config import RESUMABLE_CHANGES, TrainConfig, image_size_for_epoch, resumed_config
 from fastpipe.train.errors import write_errors

@@ -17,7 +17,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from fastpipe.errors import ConfigError
@@ -88,3 +90,17 @@ def check_relative(rel, where: str) -> str:
 
 
 __all__ = ["check_location", "check_relative", "check_url", "holds_secret", "redact"]
+
+
+URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def local_path(text: str | os.PathLike, what: str) -> Path:
+    """A local filesystem path; a URL (s3://, gs://, http://, pipe:...) is refused with a clear message instead
+    of becoming a local folder named 's3:'."""
+    s = os.fspath(text)
+    if URL_RE.match(s) or s.startswith("pipe:"):
+        raise ConfigError(f"{what} {redact(s)!r} is a URL: here a local folder is needed (a data set in object storage "
+                          f"is read by train, bench and make_loader, and written by `shard SRC URL`); copy the data "
+                          f"to a local disk (e.g. `aws s3 sync`, `gsutil -m rsync`) and pass that folder")
+    return Path(s)

@@ -7,7 +7,7 @@ short read taken for data. Credentials and endpoints come from `storage_options`
 (`AWS_*` including `AWS_ENDPOINT_URL`, `GOOGLE_APPLICATION_CREDENTIALS`, `AZURE_STORAGE_*`); `storage_options` is
 held in memory only, never written or printed (`repr` shows the URL).
 
-The store's own clients retry too (botocore, s3fs, gcsfs, the Azure SDK): stores.py switches those retries off
+The store's own clients retry too (botocore, s3fs, gcsfs, the Azure SDK): clients.py switches those retries off
 where it makes a client, so that one policy applies, it is bounded in time, and `loader.stats` can count it.
 """
 
@@ -23,9 +23,8 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 from fastpipe.errors import ConfigError, DataError
-from fastpipe.stores import ObjectTooLarge, brief, cat_bounded, open_fs, refused, store_environment, transient
-from fastpipe.urls import check_relative, check_url, redact
-from fastpipe.util import URL_RE
+from fastpipe.store.clients import ObjectTooLarge, brief, cat_bounded, open_fs, refused, store_environment, transient
+from fastpipe.store.urls import URL_RE, check_relative, check_url, redact
 
 SMALL_OBJECT = 64 << 20  # bytes: the most a whole-object read (dataset.json, a .idx, rejected.jsonl) may return
 

@@ -1,6 +1,6 @@
 """The store clients: an fsspec filesystem for a URL, with fastpipe's timeouts and the client's own retries off.
 
-`storage.Remote` retries every request itself: bounded, with jitter, counted in `loader.stats`, ending in an
+`store.remote.Remote` retries every request itself: bounded, with jitter, counted in `loader.stats`, ending in an
 error that names the URL and byte range. Each store's client has a retry loop of its own, longer and silent:
 botocore and s3fs count attempts; gcsfs makes 6, sleeping about 1, 2, 4, 8 and 16 s between them, its count
 fixed when its class is defined; the Azure SDK retries 3 times after about 15, 18 and 24 s. Stacked under ours
@@ -25,7 +25,7 @@ import os
 import types
 
 from fastpipe.errors import ConfigError, DataError, MissingDependency
-from fastpipe.urls import redact
+from fastpipe.store.urls import redact
 
 PROTOCOL_EXTRAS = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs", "abfss": "adlfs",
                    "http": "aiohttp", "https": "aiohttp"}

@@ -21,21 +21,17 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import json
 import mmap
 import os
 import threading
 import warnings
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from fastpipe import cachefiles
 from fastpipe.errors import DataError, FastpipeWarning
-from fastpipe.manifest import MANIFEST_NAME, Manifest, ManifestError, from_dict
-from fastpipe.shardformat import BLOCK, headers_match
-from fastpipe.storage import Remote
+from fastpipe.store import cachefiles
+from fastpipe.store.remote import Remote
 
 # Samples closer than GAP are fetched in one request: on a store, a request costs tens of ms of latency and a
 # round of the concurrency limit, a MiB costs a few ms of bandwidth. Every sample inside a fetched range is
@@ -48,26 +44,6 @@ def default_cache_dir() -> Path:
     env = os.environ.get("FASTPIPE_CACHE")
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return Path(env) if env else base / "fastpipe" / "shards"
-
-
-def load_remote(url: str, storage_options: dict | None, cache_dir, cache_limit) -> Manifest:
-    """A data set in a store: its dataset.json, checked as a local one is (errors name its URL), with the store's
-    client attached, this node's cache folder (private to its user: cachefiles) and the cache's size limit ("50GB";
-    None: no limit). The URL is checked before anything is created."""
-    from fastpipe.options import parse_size
-
-    url = url.rstrip("/")
-    url = url[: -len(MANIFEST_NAME) - 1] if url.endswith("/" + MANIFEST_NAME) else url
-    limit = parse_size(cache_limit, bare="GB") if cache_limit not in (None, "", 0) else None
-    remote = Remote(url, storage_options, cache_limit=limit)
-    remote.cache_dir = cachefiles.private_folder(Path(cache_dir) if cache_dir else default_cache_dir())
-    data = remote.cat(MANIFEST_NAME)  # a missing one: RemoteError naming the URL
-    try:
-        d = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ManifestError(f"{url}/{MANIFEST_NAME} is damaged ({type(e).__name__}: {e}); re-run the conversion"
-                            ) from e
-    return replace(from_dict(d, remote.cache_dir, url), remote=remote)
 
 
 def coalesce(spans: np.ndarray, gap: int = GAP, largest: int = MAX_REQUEST) -> list[tuple[int, int, np.ndarray]]:
@@ -99,10 +75,13 @@ class ShardCache:
     """Cached copies of one split's remote shards. `spans[i]` holds each sample's [start, end) in shard i."""
 
     def __init__(self, remote: Remote, folder: Path, limit: int | None, rel_paths: list[str], sizes: list[int],
-                 sha256s: list[str], spans: list[np.ndarray], heads: list[np.ndarray]):
+                 sha256s: list[str], spans: list[np.ndarray], heads: list[np.ndarray], as_indexed):
         self.remote, self.folder, self.limit = remote, Path(folder), limit
         self.rel, self.sizes, self.sha, self.spans = rel_paths, sizes, sha256s, spans
         self.heads = heads  # per shard, each sample's image member: (its header's offset, its size), as indexed
+        # as_indexed(range bytes, range start, heads): the shard format's check that the tar headers in a fetched
+        # range are where the index says (dataset.shardformat.range_as_indexed); the cache itself knows no tar
+        self.as_indexed = as_indexed
         self.folder = cachefiles.private_folder(self.folder)  # (the same folder when the caller made it private)
         self._open: dict[int, tuple[int, mmap.mmap, np.ndarray]] = {}
         # Two locks, so that decoding never waits behind a fetch ahead: `_lock` guards `_open` and is held only
@@ -258,9 +237,7 @@ class ShardCache:
         heads = heads[heads[:, 0] >= 0]  # a sample without an image (inspect reports it)
         if not len(heads):
             return True
-        pad = -start % BLOCK  # headers lie on the shard's 512-byte blocks: the range's, from its first whole one
-        blocks = np.frombuffer(data, np.uint8, offset=pad, count=(len(data) - pad) // BLOCK * BLOCK).reshape(-1, BLOCK)
-        return bool(headers_match(blocks[(heads[:, 0] - start - pad) // BLOCK], heads[:, 1]).all())
+        return self.as_indexed(data, start, heads)
 
     def _completed(self, shards: set[int]) -> None:
         for i in shards:
@@ -328,4 +305,4 @@ class ShardCache:
                           f"its limit of {self.limit / 1e6:,.1f} MB: raise cache_limit", FastpipeWarning, stacklevel=4)
 
 
-__all__ = ["ShardCache", "coalesce", "default_cache_dir", "load_remote", "tiling"]
+__all__ = ["ShardCache", "coalesce", "default_cache_dir", "tiling"]

@@ -20,7 +20,8 @@ from PIL import Image, ImageDraw, ImageFilter
 from tqdm import tqdm
 
 from fastpipe.options import SEED_MAX, check, opt, parse_procs
-from fastpipe.util import local_path, usable_cores
+from fastpipe.store.urls import local_path
+from fastpipe.util import usable_cores
 
 # Relative class frequencies: healthy leaves are common, corrosion is rare (20:1).
 CLASSES = {

@@ -79,6 +79,14 @@ def headers_match(blocks: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     return ok
 
 
+def range_as_indexed(data: bytes, start: int, heads: np.ndarray) -> bool:
+    """Whether the tar header before each image member in `data` (a range of a shard from byte `start`) is where
+    the index puts it and of its size. `heads`: rows of (header offset in the shard, member size)."""
+    pad = -start % BLOCK  # headers lie on the shard's 512-byte blocks: the range's, from its first whole one
+    blocks = np.frombuffer(data, np.uint8, offset=pad, count=(len(data) - pad) // BLOCK * BLOCK).reshape(-1, BLOCK)
+    return bool(headers_match(blocks[(heads[:, 0] - start - pad) // BLOCK], heads[:, 1]).all())
+
+
 def _octal_digits(values: np.ndarray, width: int) -> np.ndarray:
     """Each value as `width` zero-padded octal digits (ASCII), one row each."""
     return (((values[:, None] >> (3 * np.arange(width - 1, -1, -1))) & 7) + ord("0")).astype(np.uint8)

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from fastpipe.errors import DataError
-from fastpipe.storage import Remote
+from fastpipe.store.remote import Remote
 
 
 class CacheNotPrivate(DataError):

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fastpipe.errors import ConfigError, DataError
-from fastpipe.urls import check_relative
+from fastpipe.store.urls import check_relative
 from fastpipe.util import write_json_atomic
 
 FORMAT = "fastpipe-dataset"
@@ -100,7 +100,7 @@ class Manifest:
     outputs: dict = field(default_factory=dict)
     # "single": one class per image; "multilabel": a set of labels per image (class_counts then count positives)
     task: str = "single"
-    # A data set in object storage (storage.Remote: its URL, how to reach it, where its shards are cached); then
+    # A data set in object storage (store.remote.Remote: its URL, how to reach it, where its shards are cached); then
     # `root` is the local cache folder. Not serialised, and never printed (it may hold credentials).
     remote: object = field(default=None, repr=False, compare=False)
 
@@ -323,13 +323,13 @@ def load(folder: str | os.PathLike, storage_options: dict | None = None, cache_d
     """Read OUT/dataset.json (or a path to the file itself) with errors that say what to do. OUT may be a URL
     (s3://, gs://, az://, http(s)://...): its shards are then read through a node-local cache (cache.py) in
     `cache_dir` (default ~/.cache/fastpipe/shards or $FASTPIPE_CACHE), kept under `cache_limit` ("50GB")."""
-    from fastpipe.storage import is_url
+    from fastpipe.store.remote import is_url
 
     if is_url(os.fspath(folder)):
-        from fastpipe.cache import load_remote
+        from fastpipe.dataset.remote import load_remote
 
         return load_remote(os.fspath(folder), storage_options, cache_dir, cache_limit)
-    from fastpipe.util import local_path
+    from fastpipe.store.urls import local_path
 
     path = local_path(folder, "data set")
     if path.is_dir():
