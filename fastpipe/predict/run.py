@@ -9,10 +9,12 @@ workers convert the next chunk while the model scores this one.
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from fastpipe.convert import images
@@ -25,6 +27,7 @@ from fastpipe.predict import photos
 from fastpipe.predict.config import PredictConfig
 from fastpipe.predict.model import Model, load_model
 from fastpipe.predict.output import Output, Row
+from fastpipe.util import usable_cores
 
 
 @dataclass
@@ -45,7 +48,7 @@ def predict(cfg: PredictConfig, log=print) -> Result:
     log(f"model: {model.source} ({model.card['model']}, {len(model.classes)} classes, {model.card['image_size']} px)"
         f"; {len(found.items)} photos")
     output = Output(Path(cfg.out), cfg.out_format, model, cfg.top_k)
-    with output, tqdm(total=len(found.items), unit="photo", desc="predict") as bar:
+    with output, _cores_left(model, cfg), tqdm(total=len(found.items), unit="photo", desc="predict") as bar:
         for rows in _chunks(found, model, cfg):
             output.write(rows)
             bar.update(len(rows))
@@ -54,9 +57,23 @@ def predict(cfg: PredictConfig, log=print) -> Result:
     return Result(output.count, output.rejected, Path(cfg.out), lines)
 
 
+@contextlib.contextmanager
+def _cores_left(model: Model, cfg: PredictConfig):
+    """On a CPU the conversion workers take the cores: the model gets those left, at least one thread. torch's
+    threads beside busy workers wait on each other (2 workers on 2 cores: 51 photos/s with one model thread, 36 to 44
+    with two; benchmarks/bench_predict.py)."""
+    workers, before = photos.workers_for(cfg.workers), torch.get_num_threads()
+    if model.device.type == "cpu" and workers > 1:
+        torch.set_num_threads(max(1, usable_cores() - workers))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def chunk_size(batch_size: int) -> int:
     """Photos per temporary shard: enough batches that making a loader is a small share of the work."""
-    return max(512, 8 * batch_size)
+    return max(128, 4 * batch_size)
 
 
 def _chunks(found: photos.Photos, model: Model, cfg: PredictConfig):
