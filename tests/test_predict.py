@@ -87,7 +87,8 @@ def validation_pass(shards: Path, run: Path, backend: str = "torch") -> dict[str
     out = {}
     with torch.no_grad():
         for x, _, keys in loader:
-            probs = net(x).float().softmax(1)
+            logits = net(x).float()
+            probs = logits.sigmoid() if card["task"] == "multilabel" else logits.softmax(1)
             out.update({k.source: p for k, p in zip(keys, probs.tolist())})
     return out
 
@@ -245,6 +246,16 @@ def test_a_multilabel_run_predicts_label_sets_at_its_own_thresholds(tmp_path):
 
     (tmp_path / "src").mkdir()
     listed = make_list(tmp_path / "src", n=60)
+    for i in range(0, 60, 3):  # every third photo in another form: rotated, grey, CMYK, RGBA (a PNG named .jpg)
+        f = tmp_path / "src" / f"img_{i:03d}.jpg"
+        im = Image.open(f)
+        kind = (i // 3) % 4
+        if kind == 0:
+            exif = Image.Exif()
+            exif[0x0112] = 6
+            im.save(f, "JPEG", quality=92, exif=exif)
+        else:
+            im.convert(("L", "CMYK", "RGBA")[kind - 1]).save(f, "PNG" if kind == 3 else "JPEG")
     shard(ShardConfig(listed, tmp_path / "shards", short_side=48, val_fraction=0.25, workers=0))
     run = train(TrainConfig(data=str(tmp_path / "shards"), out=str(tmp_path / "run"), **{**TRAIN, "epochs": 1}))
     card = torch.load(run / "best.pt", weights_only=True)["inference"]
@@ -256,6 +267,11 @@ def test_a_multilabel_run_predicts_label_sets_at_its_own_thresholds(tmp_path):
         assert r["predicted"] == [c for c, t in zip(card["classes"], card["thresholds"]) if r["scores"][c] >= t]
     report = json.loads((tmp_path / "m.report.json").read_text())
     assert 0 <= report["val_map"] <= 1 and report["thresholds"] == card["thresholds"]
+    # on the val photos, each class's score is what the run's validation pass gives
+    want = validation_pass(tmp_path / "shards", run)
+    got = {r["path"]: r["scores"] for r in rows}
+    assert len(want) > 10 and set(want) <= set(got) and max(abs(got[p][c] - s) for p, ss in want.items()
+                                   for c, s in zip(card["classes"], ss)) < 1e-5
 
 
 def _edited(run: Path, tmp_path: Path, change) -> Path:
