@@ -33,7 +33,7 @@ def has_dali() -> bool:
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
     skip_dali = pytest.mark.skip(reason="needs NVIDIA DALI (pip install 'fastpipe[dali-cu13]')")
-    skip_slow = pytest.mark.skip(reason="slow: run with -m slow")
+    skip_slow = pytest.mark.skip(reason="slow: run with scripts/test.sh --all (or -m slow)")
     slow_asked = "slow" in (config.getoption("-m") or "")
     for item in items:
         if "slow" in item.keywords and not slow_asked:

@@ -146,6 +146,7 @@ def test_the_images_with_no_label_are_counted_as_written(tmp_path):
     assert "multi-label: 3 of the images written have none of the 1 labels" in text, text
 
 
+@pytest.mark.slow  # trains to a target; a one-epoch multi-label run is in test_predict.py by default
 def test_training_learns_labels_and_records_per_class_figures(multi, tmp_path):
     from fastpipe.train.config import TrainConfig
     from fastpipe.train.session import train

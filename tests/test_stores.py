@@ -102,6 +102,7 @@ def through(store: str, proxy: str) -> dict:
     return {"connection_string": azure_string(proxy)}
 
 
+@pytest.mark.slow  # the same faults against S3 (test_remote.py) run by default
 @pytest.mark.parametrize("store", ["gs", "az"])
 def test_every_sample_by_url_under_faults(store, converted, tmp_path, request):
     endpoint = request.getfixturevalue({"gs": "gcs", "az": "azure"}[store])

@@ -198,6 +198,7 @@ def test_schedule_warms_up_then_decays():
     assert lrs[0] < lrs[9] and max(lrs) == pytest.approx(1.0, abs=0.1) and lrs[-1] < 0.05
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes_gloo(converted, tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")
     out = tmp_path / "ddp"
@@ -421,7 +422,8 @@ def test_a_crash_is_recorded_as_failed_not_finished(converted, tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("sig,status,code", [(signal.SIGINT, "interrupted", 130),
-                                             (signal.SIGTERM, "interrupted (SIGTERM)", 143)])
+                                             pytest.param(signal.SIGTERM, "interrupted (SIGTERM)", 143,
+                                                          marks=pytest.mark.slow)])
 def test_ctrl_c_and_sigterm_leave_a_summary_and_the_resume_command(converted, tmp_path, sig, status, code):
     out = tmp_path / "r"
     p = subprocess.Popen([sys.executable, "-m", "fastpipe", "train", str(converted), "--epochs", "50",
@@ -627,6 +629,7 @@ def test_an_image_size_above_the_stored_side_warns(converted):
         make_loader(converted, "torch", batch_size=4, image_size=96, device="cpu", num_workers=0)
 
 
+@pytest.mark.slow
 def test_what_a_cpu_run_should_know_is_one_line_each(converted, tmp_path):
     """fp16 on a CPU ran about 20x slower than fp32; an image size above the stored side was a raw UserWarning with a
     source line; neither is now: each is one line of fastpipe's, and the run goes on in fp32."""
@@ -674,6 +677,7 @@ def _steps(out: Path) -> list[int]:
     return [m["step"] for m in Run(out).metrics() if m.get("kind") == "step"]
 
 
+@pytest.mark.slow
 def test_sigterm_mid_epoch_then_resume_is_bit_identical_to_an_uninterrupted_run(converted, tmp_path):
     straight, cut = tmp_path / "straight", tmp_path / "cut"
     assert _start(converted, straight, "--epochs", "1").wait(300) == 0
@@ -695,6 +699,7 @@ def test_sigterm_mid_epoch_then_resume_is_bit_identical_to_an_uninterrupted_run(
     assert [m["train_loss"] for m in epochs(cut)] == pytest.approx([m["train_loss"] for m in epochs(straight)])
 
 
+@pytest.mark.slow
 def test_a_loader_worker_killed_by_the_system_ends_the_run_with_what_to_do(converted, tmp_path):
     """The out-of-memory killer's SIGKILL to a loader worker ended training with PyTorch's RuntimeError and a
     traceback. Now: what happened and what to change, a checkpoint, the resume command, and a resume that gives the
@@ -723,6 +728,7 @@ def test_a_loader_worker_killed_by_the_system_ends_the_run_with_what_to_do(conve
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_from_its_last_periodic_checkpoint(converted, tmp_path):
     out = tmp_path / "r"
     p = _start(converted, out, "--epochs", "2", "--checkpoint-every", "3")
@@ -762,6 +768,7 @@ def test_runs_lists_each_figure_in_its_own_unit():
     assert text.splitlines()[1].split() == ["a", "3.9", "2%", "812", "0.913", "12.2", "finished"]
 
 
+@pytest.mark.slow
 def test_resume_under_torchrun_with_another_process_count(converted, tmp_path):
     out = tmp_path / "ddp"
     torchrun = Path(sys.executable).with_name("torchrun")

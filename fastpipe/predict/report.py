@@ -28,10 +28,10 @@ def report(output, out: Path) -> list[str]:
     from fastpipe.train.plots import confusion_png, per_class_png
 
     pictures = [_beside(out, "classes.png")]
-    per_class_png(figures, classes, pictures[0])
+    per_class_png(figures, classes, pictures[0], when="predictions", images="photos")
     if "confusion" in figures:
         pictures.append(_beside(out, "confusion.png"))
-        confusion_png(figures["confusion"], classes, pictures[-1])
+        confusion_png(figures["confusion"], classes, pictures[-1], title="predictions against SRC's labels")
     if errors:
         images = {id(e): image for e, image in errors}
         pictures.append(_beside(out, "errors.jpg"))

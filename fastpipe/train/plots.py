@@ -52,7 +52,7 @@ def curves_figure(metrics: list[dict]):
     return fig
 
 
-def confusion_png(confusion: list[list[int]], classes, path: Path) -> None:
+def confusion_png(confusion: list[list[int]], classes, path: Path, title: str = "validation confusion") -> None:
     cm = np.array(confusion)
     k = len(classes)
     fig = _figure(1.0 + 0.7 * k, 0.8 + 0.6 * k)
@@ -67,7 +67,7 @@ def confusion_png(confusion: list[list[int]], classes, path: Path) -> None:
     ax.set_yticks(range(k), classes, fontsize=8)
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
-    ax.set_title("validation confusion (counts; colour = row share)", fontsize=9)
+    ax.set_title(f"{title} (counts; colour = row share)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -79,11 +79,11 @@ def class_counts(last: dict) -> list[int] | None:
     return last.get("per_class_positives")
 
 
-def per_class_png(last: dict, classes, path: Path) -> None:
-    per_class_figure(last, classes).savefig(path, dpi=100)
+def per_class_png(last: dict, classes, path: Path, when: str = "last epoch", images: str = "val images") -> None:
+    per_class_figure(last, classes, when, images).savefig(path, dpi=100)
 
 
-def per_class_figure(last: dict, classes):
+def per_class_figure(last: dict, classes, when: str = "last epoch", images: str = "val images"):
     """The last evaluation per class: accuracy (single-label) or AP and F1 (multi-label), rarest problems visible,
     each class with its number of val images under its name (a score of 1 or 2 images says little)."""
     k = len(classes)
@@ -99,13 +99,12 @@ def per_class_figure(last: dict, classes):
             ax.bar_label(bars, fmt="%.2f", fontsize=6)  # a class at 0 shows its 0.00, not an empty slot
         ax.set_ylabel("score (0-1)")
         ax.legend(fontsize=8)
-        ax.set_title(f"per class, last epoch: mAP {last['val_map']:.3f}" + ("; n = val images with the label"
-                                                                            if counts else ""), fontsize=9)
+        ax.set_title(f"per class, {when}: mAP {last['val_map']:.3f}" + (f"; n = {images} with the label"
+                                                                        if counts else ""), fontsize=9)
     else:
         bars = ax.bar(x, last["per_class_acc"], 0.6, color="tab:green")
         ax.bar_label(bars, fmt="%.2f", fontsize=7)  # a class at 0 shows its 0.00, not an empty slot
-        ax.set_title(f"per-class validation accuracy, last epoch ({last['val_acc']:.3f} overall); n = val images",
-                     fontsize=9)
+        ax.set_title(f"per-class accuracy, {when} ({last['val_acc']:.3f} overall); n = {images}", fontsize=9)
         ax.set_ylabel("accuracy (0-1)")
     ax.set_ylim(0, 1.08)
     names = [f"{c} (n={n})" for c, n in zip(classes, counts)] if counts else list(classes)
