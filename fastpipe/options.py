@@ -74,6 +74,13 @@ def parse_workers(text):
     return n
 
 
+def parse_device(text):
+    """A torch device: cpu, cuda or cuda:N (None: cuda when available). Checked here, before torch is imported."""
+    if text is None or re.fullmatch(r"cpu|cuda(:\d{1,3})?", str(text)):
+        return text
+    raise ConfigError(f"--device {str(text)[:40]!r}: use cpu, cuda or cuda:N (a GPU's index)")
+
+
 def parse_procs(text):
     """Processes for the converter: a count (0 or 1 = in this process) or 'auto' (every usable core)."""
     if text in (None, "auto"):

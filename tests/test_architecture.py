@@ -25,7 +25,10 @@ def imports(path: Path) -> set[str]:
 
 
 @pytest.mark.parametrize("package,forbidden", [("convert", "fastpipe.loaders"), ("loaders", "fastpipe.convert"),
-                                               ("loaders", "fastpipe.train"), ("convert", "fastpipe.train")])
+                                               ("loaders", "fastpipe.train"), ("convert", "fastpipe.train"),
+                                               *((p, up) for p in ("convert", "loaders", "train")
+                                                 for up in ("fastpipe.predict", "fastpipe.bench")),
+                                               ("predict", "fastpipe.bench"), ("bench", "fastpipe.predict")])
 def test_layers_do_not_import_upwards_or_sideways(package, forbidden):
     bad = {p.name: sorted(m for m in imports(p) if m.startswith(forbidden)) for p in (PKG / package).glob("*.py")}
     assert not {k: v for k, v in bad.items() if v}

@@ -5,6 +5,7 @@ validation pass gives over the shards (the same pixels, so the same classes and 
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import shutil
@@ -105,7 +106,11 @@ def test_predictions_on_the_val_photos_are_what_validation_gave_photo_for_photo(
     pairs = val_sources(shards)
     listed = src.parent / "val-labels.csv"  # paths relative to the list's folder
     listed.write_text("path,label\n" + "".join(f"photos/{p},{c}\n" for p, c in pairs))
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not a picture")
+    (tmp_path / "p.confusion.png").symlink_to(victim)  # planted under a picture's name: replaced, not written through
     assert main(["predict", str(run), str(listed), "--out", str(tmp_path / "p.jsonl"), "--workers", "2"]) == 0
+    assert victim.read_text() == "not a picture" and not (tmp_path / "p.confusion.png").is_symlink()
     rows = {r["path"].removeprefix("photos/"): r for r in read_rows(tmp_path / "p.jsonl")}
     want = validation_pass(shards, run)
     assert set(rows) == set(want) and len(rows) == len(pairs)
@@ -208,13 +213,14 @@ def test_photos_without_labels_and_broken_ones_each_get_a_row(trained, tmp_path,
         shutil.copy(f, new / "day1" / f"{i}.jpg")
     (new / "broken.jpg").write_bytes(photo(COLORS["red"])[:300])
     (new / "notes.txt").write_text("not a photo")
+    (new / "=HYPERLINK(1).jpg").write_bytes(photo(COLORS["red"]))  # a name a spreadsheet would run
     assert main(["predict", str(run), str(new), "--out", str(tmp_path / "n.csv")]) == 0
     rows = {r["path"]: r for r in read_rows(tmp_path / "n.csv")}
-    assert set(rows) == {"broken.jpg", "notes.txt", *(f"day1/{i}.jpg" for i in range(4))}
+    assert set(rows) == {"broken.jpg", "notes.txt", "'=HYPERLINK(1).jpg", *(f"day1/{i}.jpg" for i in range(4))}
     assert rows["broken.jpg"]["status"] == "truncated" and rows["notes.txt"]["status"] == "not-an-image"
     assert all(rows[f"day1/{i}.jpg"]["predicted"] in COLORS for i in range(4))
     out = capsys.readouterr()
-    assert "6 photos: 4 predicted, 2 could not be used" in out.out and "not the model's classes" in out.err
+    assert "7 photos: 5 predicted, 2 could not be used" in out.out and "not the model's classes" in out.err
     assert not (tmp_path / "n.report.json").exists()  # no labels, no accuracy
 
 
@@ -267,6 +273,8 @@ def test_a_multilabel_run_predicts_label_sets_at_its_own_thresholds(tmp_path):
         assert r["predicted"] == [c for c, t in zip(card["classes"], card["thresholds"]) if r["scores"][c] >= t]
     report = json.loads((tmp_path / "m.report.json").read_text())
     assert 0 <= report["val_map"] <= 1 and report["thresholds"] == card["thresholds"]
+    assert report["photos"] == 60  # those labelled "none of them" (an empty set) are scored too
+    assert any(r["label"] == "" for r in rows)
     # on the val photos, each class's score is what the run's validation pass gives
     want = validation_pass(tmp_path / "shards", run)
     got = {r["path"]: r["scores"] for r in rows}
@@ -290,12 +298,14 @@ def _edited(run: Path, tmp_path: Path, change) -> Path:
     ("other-shapes", "its weights do not fit a resnet18 of 3 classes"),
     ("future", "reads version 1: upgrade fastpipe"),
     ("empty-src", "no files found to predict"),
+    ("detection-model", "not a torchvision classification model"),
+    ("no-cuda", "torch sees no CUDA device here"),
     ("credentials", "credentials in a URL are refused"),
 ])
 def test_bad_input_is_one_line_and_exit_2(trained, tmp_path, capsys, case, expected):
     src, _, run = trained
     (tmp_path / "empty").mkdir()
-    model, photos = str(run), str(src)
+    model, photos, extra = str(run), str(src), []
     if case == "not-a-run":
         model = str(tmp_path / "empty")
     elif case == "nan-size":
@@ -309,9 +319,15 @@ def test_bad_input_is_one_line_and_exit_2(trained, tmp_path, capsys, case, expec
         model = str(_edited(run, tmp_path, lambda ck: ck["inference"].update(version=99)))
     elif case == "empty-src":
         photos = str(tmp_path / "empty")
+    elif case == "detection-model":  # would download a backbone's weights, or fail deep inside torchvision
+        model = str(_edited(run, tmp_path, lambda ck: ck["inference"].update(model="fasterrcnn_resnet50_fpn")))
+    elif case == "no-cuda":
+        if torch.cuda.is_available():
+            pytest.skip("this machine has CUDA")
+        extra = ["--device", "cuda"]
     else:
         photos = "s3://KEY:pw-hunter2@bucket/photos"
-    assert main(["predict", model, photos, "--out", str(tmp_path / "x.csv")]) == 2
+    assert main(["predict", model, photos, "--out", str(tmp_path / "x.csv"), *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and expected in err and "Traceback" not in err and "hunter2" not in err, err
 
@@ -329,6 +345,36 @@ def test_an_export_that_was_replaced_or_is_of_another_version_is_refused(trained
     out.write_bytes(out.read_bytes() + b"\0")
     assert main(["predict", str(out), str(src / "red"), "--out", str(tmp_path / "a.csv")]) == 2
     assert "sha256 differs" in capsys.readouterr().err
+
+
+def test_a_pt2_holding_a_pickle_is_refused_before_anything_in_it_runs(trained, tmp_path, capsys):
+    """torch.export's loader unpickles some entries without restriction; a crafted file (with a JSON that names its
+    sha256: whoever crafts one writes both) must not run code."""
+    import pickle
+    import zipfile
+
+    _, src, run = trained[0], trained[0], trained[2]
+    out = tmp_path / "m.pt2"
+    assert main(["export", str(run), str(out)]) == 0
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.write_text, (marker, "code ran"))
+
+    evil = tmp_path / "evil.pt2"
+    with zipfile.ZipFile(out) as z, zipfile.ZipFile(evil, "w") as w:
+        for info in z.infolist():
+            data = z.read(info)
+            if "/data/sample_inputs/" in info.filename:
+                data = pickle.dumps(Payload())
+            w.writestr(info, data)
+    meta = json.loads((tmp_path / "m.pt2.json").read_text())
+    meta["export"]["sha256"] = hashlib.sha256(evil.read_bytes()).hexdigest()
+    (tmp_path / "evil.pt2.json").write_text(json.dumps(meta))
+    assert main(["predict", str(evil), str(src / "red"), "--out", str(tmp_path / "e.csv")]) == 2
+    err = capsys.readouterr().err
+    assert not marker.exists() and "which loading would run as code" in err and len(err.strip().splitlines()) == 1
 
 
 def test_a_photo_over_the_pixel_limit_is_a_row_with_its_reason(trained, tmp_path):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from fastpipe.errors import ConfigError
 from fastpipe.loaders.config import LoaderConfig
-from fastpipe.options import check, opt, parse_procs
+from fastpipe.options import check, normalize_text, opt, parse_device, parse_procs
 from fastpipe.store.urls import check_location
 
 BACKENDS = ("torch", "dali", "nvjpeg")
@@ -36,8 +36,9 @@ class PredictConfig:
     format: str | None = opt(None, "csv or jsonl (default: from --out's extension, else csv)", choices=FORMATS)
     weights: str = opt("best", "a run's best.pt (best validation figure) or last.pt", choices=WEIGHTS)
     top_k: int = opt(3, "classes listed per photo, most probable first", low=1, high=1000)
-    backend: str = opt("torch", "loader backend that prepares the batches: torch, dali or nvjpeg", choices=BACKENDS)
-    device: str | None = opt(None, "cuda, cpu (default: cuda when available)")
+    backend: str | None = opt(None, "loader backend that prepares the batches: torch, dali or nvjpeg (default: the "
+                                    "one the run validated with)", choices=BACKENDS)
+    device: str | None = opt(None, "cuda, cuda:N or cpu (default: cuda when available)", parse=parse_device)
     batch_size: int = opt(64, "photos per batch", low=1, high=65536)
     workers: int | None = opt(None, "processes converting the photos: a number (0 = in this process) or auto "
                                     "(every core)", parse=parse_procs, low=0, high=1024)
@@ -52,12 +53,13 @@ class PredictConfig:
     def out_format(self) -> str:
         return self.format or ("jsonl" if Path(self.out).suffix.lower() in (".jsonl", ".json") else "csv")
 
-    def loader(self, card: dict) -> LoaderConfig:
-        """The validation transform the model was trained with, batched by the chosen backend."""
-        return LoaderConfig(backend=self.backend, split="val", batch_size=self.batch_size,
-                            image_size=card["image_size"], val_crop=card["val_crop"], device=self.device,
-                            num_workers=0, normalize=False, with_keys=True,
-                            **({"cpu_decoder": card["cpu_decoder"]} if self.backend == "torch" else {}))
+    def loader(self, card: dict, backend: str, normalized: bool) -> LoaderConfig:
+        """The validation transform the model was trained with, batched by `backend`: float and normalised as
+        validation's (`normalized`, for a network in PyTorch), or uint8 (what an exported graph takes)."""
+        return LoaderConfig(backend=backend, split="val", batch_size=self.batch_size, image_size=card["image_size"],
+                            val_crop=card["val_crop"], device=self.device, num_workers=0, with_keys=True,
+                            normalize=normalize_text(card["mean"], card["std"]) if normalized else False,
+                            **({"cpu_decoder": card["cpu_decoder"]} if backend == "torch" else {}))
 
 
 @dataclass(frozen=True)

@@ -93,8 +93,11 @@ def _record(card: dict, out: Path, source: str) -> dict:
     steps = ([f"apply the EXIF orientation, flatten transparency onto white, convert to RGB; resize so the shorter "
               f"side is {c['short_side']} px (never up), Lanczos; encode as JPEG quality {c['quality']}, 4:2:0"]
              if c else ["decode the photo as it is (the model was trained on shards written by another tool)"])
-    steps += [f"resize the shorter side to {size / card['val_crop']:.1f} px and take the centre {size}x{size} "
-              f"(bilinear, antialiased), as uint8 RGB, channels first"]
+    steps += [f"take the centred square box of side round(min(width, height) x {card['val_crop']}) (corners rounded "
+              f"to whole pixels) and resize it to {size}x{size}: fastpipe decodes it with libjpeg-turbo, DCT-scaled by "
+              f"1/2, 1/4 or 1/8 while the box stays at least twice {size} px, then OpenCV's INTER_AREA when shrinking "
+              f"2x or more, else INTER_LINEAR; as uint8 RGB, channels first",
+              "for the exact pixels, prepare photos with fastpipe.Predictor(...).inputs(...) or `fastpipe predict`"]
     return {"inference": card, "export": {
         "format": EXPORT_FORMAT, "version": EXPORT_VERSION, "file": out.name, "sha256": file_sha256(out),
         "from": source, "fastpipe": __version__,

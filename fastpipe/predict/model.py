@@ -28,13 +28,15 @@ EXPORT_FORMAT, EXPORT_VERSION = "fastpipe-export", 1
 
 @dataclass
 class Model:
-    """`scores(x)`: uint8 NCHW on `device` → probabilities (N, K), float32 on the CPU."""
+    """`scores(x)`: uint8 NCHW on `device` → probabilities (N, K), float32 on the CPU. A run's network also takes the
+    float batch a loader has normalised itself (`takes_float`): the very tensor validation gave it."""
 
     card: dict
     device: torch.device
     source: str  # what was loaded, for messages and the report
-    run: object = None  # the callable: uint8 NCHW batch → probabilities
+    run: object = None  # the callable: a batch → probabilities
     notes: list[str] = field(default_factory=list)
+    takes_float: bool = False  # a network in PyTorch (an exported graph takes uint8 only)
 
     @property
     def classes(self) -> list[str]:
@@ -60,6 +62,9 @@ def load_model(path: str | Path, weights: str = "best", device: str | None = Non
     """A run folder, a checkpoint (.pt), or an exported model (.onnx / .pt2 with its .json beside it)."""
     path = Path(path)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: torch sees no CUDA device here (`fastpipe doctor` says why); use "
+                          f"--device cpu")
     if path.is_dir() or (path.suffix.lower() == ".pt" and path.is_file()):
         return _from_weights(*trained_network(path, weights), dev)
     if not path.is_file():
@@ -119,7 +124,11 @@ def _checkpoint(file: Path, run_dir: Path) -> tuple[torch.nn.Module, dict]:
         card = card_of_older_run(run_dir)
     card = modelcard.check(card, str(file))
     if card["task"] == "multilabel" and state.get("kind") != "best":
-        card = {**card, "thresholds": _last_thresholds(Run(run_dir), state.get("epoch"))}
+        try:  # last.pt: the thresholds of its epoch's validation pass, as hostile as the rest of the card
+            card = modelcard.check({**card, "thresholds": _last_thresholds(Run(run_dir), state.get("epoch"))},
+                                   f"{run_dir}/metrics.jsonl")
+        except (modelcard.CardError, RunError):
+            card = {**card, "thresholds": None}
     return _network(card, state["model"], file).eval(), card
 
 
@@ -128,12 +137,12 @@ def _from_weights(net: torch.nn.Module, card: dict, source: str, notes: list[str
     if device.type == "cuda":
         net = net.to(memory_format=torch.channels_last)
     amp = card["amp"] if device.type == "cuda" else ("bf16" if card["amp"] == "bf16" else "off")
-    model = Model(card, device, source, notes=notes)
+    model = Model(card, device, source, notes=notes, takes_float=True)
     multilabel = card["task"] == "multilabel"
 
     def run(x):
         with torch.autocast(device.type, dtype=amp_dtype(amp), enabled=amp != "off"):
-            out = net(model.normalized(x)).float()
+            out = net(x if x.is_floating_point() else model.normalized(x)).float()
         return (out.sigmoid() if multilabel else out.softmax(1)).cpu()
 
     model.run = run
@@ -157,7 +166,7 @@ def _network(card: dict, weights: dict, file: Path) -> torch.nn.Module:
 def _last_thresholds(run: Run, epoch) -> list[float] | None:
     """last.pt of a multi-label run: the per-class thresholds of its epoch's validation pass (None: 0.5 each)."""
     for m in reversed(run.epochs() if run.path.is_dir() else []):
-        if m.get("epoch") == epoch and isinstance(m.get("per_class_threshold"), list):
+        if isinstance(m, dict) and m.get("epoch") == epoch and isinstance(m.get("per_class_threshold"), list):
             return m["per_class_threshold"]
     return None
 
@@ -220,6 +229,9 @@ def _onnx(path: Path, device: torch.device) -> Model:
 
 def _exported_program(path: Path, device: torch.device) -> Model:
     card = read_sidecar(path)
+    from fastpipe.predict.pt2 import check_archive
+
+    check_archive(path)  # nothing in it is unpickled unrestricted (torch's loader would)
     try:
         net = torch.export.load(str(path)).module()
     except Exception as e:  # damage shows as many error types

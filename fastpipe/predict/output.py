@@ -70,7 +70,7 @@ class Output:
             self.rejected += r.scores is None
             record = self._record(r)
             if self.csv:
-                self.csv.writerow(self._cells(record))
+                self.csv.writerow([_inert(c) for c in self._cells(record)])
             else:
                 self.fh.write(json.dumps(record) + "\n")
             if r.scores is not None and r.label is not None:
@@ -144,6 +144,12 @@ class Output:
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         labels, scores = zip(*self.scored)
         return torch.tensor(labels), torch.tensor(scores, dtype=torch.float32)
+
+
+def _inert(cell):
+    """A text cell that a spreadsheet would run as a formula (a photo's name is anyone's to choose) starts with a
+    quote, as spreadsheets themselves write it; numbers and JSON lines are left as they are."""
+    return f"'{cell}" if isinstance(cell, str) and cell[:1] in ("=", "+", "-", "@", "\t", "\r") else cell
 
 
 __all__ = ["Output", "Row"]

@@ -78,7 +78,9 @@ def _collection(src: str, classes: list[str], multilabel: bool, limit: int) -> P
 
 def _labelled(source: Source, note: str | None) -> Photos:
     """A source's items with their labels; its photos outside a class folder are predicted without one."""
-    items = [Photo(photos.location(source.root, i.path), i.path, i.label or None) for i in source.items]
+    # a label set may be empty ("none of them"), a label of its own; a list of paths alone gives none
+    items = [Photo(photos.location(source.root, i.path), i.path, i.label if source.multilabel else i.label or None)
+             for i in source.items]
     unlabelled = [r for r in source.rejections if r.reason == "no-class"]
     items += [Photo(photos.location(source.root, r.path), r.path, None) for r in unlabelled]
     rejections = tuple(r for r in source.rejections if r.reason != "no-class")

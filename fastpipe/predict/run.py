@@ -10,8 +10,9 @@ workers convert the next chunk while the model scores this one.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ from fastpipe.convert.workers import Workers
 from fastpipe.convert.writer import ShardWriter
 from fastpipe.dataset.manifest import Components, Manifest, SplitInfo, Stats
 from fastpipe.dataset.shardformat import encode_label
-from fastpipe.loaders import make_loader_from
+from fastpipe.loaders import cpu_ops, make_loader_from
 from fastpipe.predict import photos
 from fastpipe.predict.config import PredictConfig
 from fastpipe.predict.model import Model, load_model
@@ -45,6 +46,7 @@ def predict(cfg: PredictConfig, log=print) -> Result:
     found = photos.find(cfg.src, model.classes, model.multilabel, cfg.max_file_size)
     for note in found.notes:
         log(f"note: {note}")
+    cfg = replace(cfg, backend=_backend(cfg, model, log))
     log(f"model: {model.source} ({model.card['model']}, {len(model.classes)} classes, {model.card['image_size']} px)"
         f"; {len(found.items)} photos")
     output = Output(Path(cfg.out), cfg.out_format, model, cfg.top_k)
@@ -55,6 +57,20 @@ def predict(cfg: PredictConfig, log=print) -> Result:
         output.write([Row(r.path, None, None, r.reason, r.detail) for r in found.rejections])
     lines = output.finish()
     return Result(output.count, output.rejected, Path(cfg.out), lines)
+
+
+def _backend(cfg: PredictConfig, model: Model, log) -> str:
+    """The backend asked, or the one the run validated with, whose pixels are validation's; one not installed here
+    gives way to torch, and a CPU decoder other than validation's is said."""
+    backend = cfg.backend or model.card.get("backend", "torch")
+    if backend == "dali" and importlib.util.find_spec("nvidia.dali") is None and not cfg.backend:
+        log("note: the run validated with the dali backend, not installed here: predicting with torch, whose pixels "
+            "differ slightly from validation's (pip install 'fastpipe[dali-cu13]' for the same)")
+        backend = "torch"
+    ran, here = model.card.get("decoder", ""), cpu_ops.active(model.card["cpu_decoder"])
+    if backend == "torch" and ran and ran != here:
+        log(f"note: validation decoded with {ran}; here it is {here}: pixels may differ slightly")
+    return backend
 
 
 @contextlib.contextmanager
@@ -73,7 +89,7 @@ def _cores_left(model: Model, cfg: PredictConfig):
 
 def chunk_size(batch_size: int) -> int:
     """Photos per temporary shard: enough batches that making a loader is a small share of the work."""
-    return max(128, 4 * batch_size)
+    return min(max(128, 4 * batch_size), 8192)  # prepared photos held in memory at once: bounded
 
 
 def _chunks(found: photos.Photos, model: Model, cfg: PredictConfig):
@@ -122,7 +138,7 @@ def _predict_chunk(part, prepared: list, model: Model, cfg: PredictConfig) -> li
 
 
 def _score(manifest: Manifest, model: Model, cfg: PredictConfig, part, prepared, rows) -> list[str]:
-    loader = make_loader_from(manifest, cfg.loader(model.card))
+    loader = make_loader_from(manifest, cfg.loader(model.card, cfg.backend, model.takes_float))
     try:
         for x, _, keys in loader:
             for key, p in zip(keys, model.scores(x).tolist()):

@@ -38,7 +38,8 @@ def class_thresholds(probs: torch.Tensor, targets: torch.Tensor) -> list[float]:
     here (no score can tell its best). What `fastpipe predict` decides each class with."""
     f1 = torch.stack([_prf((probs >= t).float(), targets)[2] for t in THRESHOLDS.tolist()])  # (T, K)
     best = THRESHOLDS[f1.argmax(0)]  # the first (lowest) of equal F1s
-    return [round(t, 2) if n > 0 else 0.5 for t, n in zip(best.tolist(), targets.sum(0).tolist())]
+    # the grid's own float32 values, not rounded: a score is compared with what validation compared it with
+    return [t if n > 0 else 0.5 for t, n in zip(best.tolist(), targets.sum(0).tolist())]
 
 
 def multilabel_metrics(probs: torch.Tensor, targets: torch.Tensor, threshold: float | None = None) -> dict:

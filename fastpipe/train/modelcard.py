@@ -15,12 +15,13 @@ from __future__ import annotations
 import math
 
 from fastpipe.errors import DataError
-from fastpipe.options import MAX_IMAGE_SIZE
+from fastpipe.options import MAX_IMAGE_SIZE, STD_FLOOR
 
 FORMAT = "fastpipe-model"
 VERSION = 1
 TASKS = ("single", "multilabel")
 DECODERS = ("auto", "crop", "simplejpeg", "pillow")
+BACKENDS = ("torch", "dali", "nvjpeg")
 
 
 class CardError(DataError):
@@ -28,13 +29,15 @@ class CardError(DataError):
 
 
 def make(model: str, classes, task: str, image_size: int, mean, std, amp: str, convert: dict | None,
-         val_crop: float, cpu_decoder: str, thresholds=None) -> dict:
+         val_crop: float, cpu_decoder: str, thresholds=None, backend: str = "torch", decoder: str = "") -> dict:
     """The card of a run's model. `convert`: the data set's conversion settings (None for shards indexed from
-    another tool, whose images were used as they were)."""
+    another tool, whose images were used as they were). `backend`: the loader backend validation ran on, and
+    `decoder` the CPU decoder it resolved to (cpu_ops.active): other ones give other pixels."""
     return {"format": FORMAT, "version": VERSION, "model": model, "classes": list(classes), "task": task,
             "image_size": int(image_size), "val_crop": float(val_crop), "cpu_decoder": cpu_decoder,
             "mean": [float(x) for x in mean], "std": [float(x) for x in std], "amp": amp, "convert": convert,
-            "thresholds": None if thresholds is None else [float(t) for t in thresholds]}
+            "thresholds": None if thresholds is None else [float(t) for t in thresholds], "backend": backend,
+            "decoder": decoder}
 
 
 def convert_settings(settings: dict, foreign: bool) -> dict | None:
@@ -70,10 +73,12 @@ def check(card, where: str) -> dict:
     need(_integer(card.get("image_size"), 16, MAX_IMAGE_SIZE), "image_size", f"an integer 16..{MAX_IMAGE_SIZE}")
     need(_number(card.get("val_crop"), 0.05, 1), "val_crop", "a number in 0.05..1")
     need(card.get("cpu_decoder") in DECODERS, "cpu_decoder", f"one of {DECODERS}")
-    for f, low, shown in (("mean", 0, "0..1"), ("std", 1e-12, "0..1, above 0")):
+    for f, low, shown in (("mean", 0, "0..1"), ("std", STD_FLOOR, "1/255..1")):
         need(isinstance(card.get(f), list) and len(card[f]) == 3 and all(_number(x, low, 1) for x in card[f]), f,
              f"three numbers in {shown}")
     need(card.get("amp") in ("off", "fp16", "bf16"), "amp", "off, fp16 or bf16")
+    need(card.get("backend", "torch") in BACKENDS, "backend", f"one of {BACKENDS}")
+    need(isinstance(card.get("decoder", ""), str) and len(card.get("decoder", "")) <= 300, "decoder", "text")
     _check_convert(card.get("convert"), need)
     t = card.get("thresholds")
     need(t is None or (isinstance(t, list) and len(t) == len(classes) and all(_number(x, 0, 1) for x in t)),

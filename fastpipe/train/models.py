@@ -115,6 +115,10 @@ def weights_normalization(path: str) -> str:
 
 def build_model(name: str, num_classes: int, image_size: int = 224, pretrained: str | None = None,
                 checkpoint_activations: bool = False) -> nn.Module:
+    if name not in torchvision.models.list_models(module=torchvision.models):  # detection, video...: not classifiers
+        raise ConfigError(f"unknown model {name!r}: not a torchvision classification model; try one of "
+                          f"{', '.join(SUPPORTED)} (any name torchvision.models.list_models(module=torchvision.models) "
+                          f"gives works)")
     try:
         kwargs = {"image_size": image_size} if name.startswith("vit") else {}
         model = torchvision.models.get_model(name, weights=None, num_classes=num_classes, **kwargs)

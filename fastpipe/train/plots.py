@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
+
+from fastpipe.util import atomic_write_bytes
 
 
 def _figure(*size):
@@ -17,8 +20,16 @@ def _figure(*size):
     return fig
 
 
+def save(fig, path: Path, dpi: int = 100) -> None:
+    """A figure as PNG, written atomically: a link planted under the picture's name is replaced, not written
+    through, and a reader never sees half a picture."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    atomic_write_bytes(path, buf.getvalue())
+
+
 def curves_png(metrics: list[dict], path: Path) -> None:
-    curves_figure(metrics).savefig(path, dpi=100)
+    save(curves_figure(metrics), path)
 
 
 def curves_figure(metrics: list[dict]):
@@ -69,7 +80,7 @@ def confusion_png(confusion: list[list[int]], classes, path: Path, title: str = 
     ax.set_ylabel("true")
     ax.set_title(f"{title} (counts; colour = row share)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save(fig, path)
 
 
 def class_counts(last: dict) -> list[int] | None:
@@ -80,7 +91,7 @@ def class_counts(last: dict) -> list[int] | None:
 
 
 def per_class_png(last: dict, classes, path: Path, when: str = "last epoch", images: str = "val images") -> None:
-    per_class_figure(last, classes, when, images).savefig(path, dpi=100)
+    save(per_class_figure(last, classes, when, images), path)
 
 
 def per_class_figure(last: dict, classes, when: str = "last epoch", images: str = "val images"):

@@ -40,7 +40,7 @@ class Run:
         return self.path / "last.pt"
 
     def refuse_existing(self) -> None:
-        if (self.path / "metrics.jsonl").exists() or self.checkpoint_path.exists():
+        if (self.path / "metrics.jsonl").exists() or self.checkpoint_path.exists() or self.best_path.exists():
             raise ConfigError(f"{self.path} already holds a run: add --resume to continue it (its saved "
                                   f"settings are used), or choose another --out")
 
@@ -83,7 +83,7 @@ class Run:
 
     def epochs(self) -> list[dict]:
         """The per-epoch records (metrics.jsonl also holds a record every log_every optimizer steps)."""
-        return [m for m in self.metrics() if m.get("kind", "epoch") == "epoch"]
+        return [m for m in self.metrics() if isinstance(m, dict) and m.get("kind", "epoch") == "epoch"]
 
     def log(self, metrics: dict) -> None:
         with open(self.path / "metrics.jsonl", "a") as f:

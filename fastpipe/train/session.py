@@ -200,12 +200,14 @@ def train(cfg: TrainConfig) -> Path:
 
 def _card(cfg: TrainConfig, manifest, mean, std) -> dict:
     """How to use the weights on new photos: the data set's image step and the val transform (modelcard.py)."""
+    from fastpipe.loaders import cpu_ops
     from fastpipe.train import modelcard
 
     val = LoaderConfig()  # the val transform: the loaders' defaults, which training uses
     return modelcard.make(cfg.model, manifest.classes, manifest.task, image_size_for_epoch(cfg, cfg.epochs - 1),
                           mean, std, cfg.amp, modelcard.convert_settings(manifest.settings, manifest.foreign),
-                          val.val_crop, val.cpu_decoder)
+                          val.val_crop, val.cpu_decoder, backend=cfg.backend,
+                          decoder=cpu_ops.active(val.cpu_decoder) if cfg.backend == "torch" else "")
 
 
 @dataclass(frozen=True)
