@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,6 +37,19 @@ def epochs(run: Path) -> list[dict]:
 
 def cfg(data, out, **kw) -> TrainConfig:
     return TrainConfig(data=str(data), out=str(out), **{**FAST, **kw})
+
+
+@pytest.fixture(scope="module")
+def one_epoch_run(converted, tmp_path_factory) -> Path:
+    """A run stopped after epoch 1 of 2 (no loader workers), trained once: tests copy it (`stopped_copy`)."""
+    out = tmp_path_factory.mktemp("stopped") / "r"
+    train(cfg(converted, out, epochs=2, stop_after=1, workers=0))
+    return out
+
+
+def stopped_copy(run: Path, to: Path) -> Path:
+    shutil.copytree(run, to)
+    return to
 
 
 def test_short_run_learns_and_records_everything(converted, tmp_path):
@@ -322,13 +336,13 @@ def test_resume_drops_what_was_logged_after_the_last_checkpoint(tmp_path):
     assert [m["step"] for m in run.metrics() if m["kind"] == "step"] == list(range(1, 8))
 
 
-def test_every_invocation_of_a_run_is_in_its_history_and_no_epoch_is_logged_twice(converted, tmp_path):
+def test_every_invocation_of_a_run_is_in_its_history_and_no_epoch_is_logged_twice(converted, one_epoch_run,
+                                                                                   tmp_path):
     """Stopped, resumed to the end, then extended with --epochs: the summary keeps each part (the interruption was
     recorded nowhere, and `minutes` counted only the last part), and every epoch is logged once."""
     from fastpipe.train.session import train_from_cli
 
-    out = tmp_path / "r"
-    train(cfg(converted, out, epochs=2, stop_after=1, workers=0))
+    out = stopped_copy(one_epoch_run, tmp_path / "r")
     train_from_cli({"data": str(converted), "out": str(out), "resume": True})
     train_from_cli({"data": str(converted), "out": str(out), "resume": True, "epochs": 3})
     assert [m["epoch"] for m in epochs(out)] == [0, 1, 2]
@@ -563,13 +577,13 @@ def _edit(state: dict, what: str) -> dict:
                                        ("shape", "size mismatch for fc.weight"), ("extra", "extra.weight"),
                                        ("optimizer", "parameter group"), ("rng", "RNG state"),
                                        ("progress", "unknown fields"), ("loader", "loader state")])
-def test_a_hand_edited_checkpoint_is_one_line_naming_the_file(converted, tmp_path, capsys, what, says):
+def test_a_hand_edited_checkpoint_is_one_line_naming_the_file(converted, one_epoch_run, tmp_path, capsys, what,
+                                                              says):
     """A resumed run trusted last.pt: an epoch of 10**12 ended 'finished' with 1 of 2 epochs; a tensor of another
     shape, a foreign optimizer, a short RNG state ended in a traceback."""
     from fastpipe.cli import main
 
-    out = tmp_path / "r"
-    train(cfg(converted, out, epochs=2, stop_after=1, workers=0))
+    out = stopped_copy(one_epoch_run, tmp_path / "r")
     torch.save(_edit(torch.load(out / "last.pt", weights_only=True), what), out / "last.pt")
     capsys.readouterr()
     assert main(["train", str(converted), "--out", str(out), "--resume"]) == 2
@@ -580,11 +594,11 @@ def test_a_hand_edited_checkpoint_is_one_line_naming_the_file(converted, tmp_pat
 @pytest.mark.parametrize("field,value,says", [("lr", "fast", "--lr 'fast': must be a number"),
                                               ("epochs", 2.5, "--epochs 2.5: must be an integer"),
                                               ("model", 18, "--model 18: must be text")])
-def test_a_hand_edited_config_json_is_one_line_naming_the_file(converted, tmp_path, capsys, field, value, says):
+def test_a_hand_edited_config_json_is_one_line_naming_the_file(converted, one_epoch_run, tmp_path, capsys, field,
+                                                               value, says):
     from fastpipe.cli import main
 
-    out = tmp_path / "r"
-    train(cfg(converted, out, epochs=2, stop_after=1, workers=0))
+    out = stopped_copy(one_epoch_run, tmp_path / "r")
     config = json.loads((out / "config.json").read_text())
     config["train"][field] = value
     (out / "config.json").write_text(json.dumps(config))
