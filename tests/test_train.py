@@ -212,6 +212,24 @@ def test_schedule_warms_up_then_decays():
     assert lrs[0] < lrs[9] and max(lrs) == pytest.approx(1.0, abs=0.1) and lrs[-1] < 0.05
 
 
+def test_a_run_under_torchrun_ends_its_process_group(converted, tmp_path, monkeypatch):
+    """Left to the interpreter's exit, gloo's process group aborted a rank now and then (SIGABRT, 'terminate called
+    without an active exception') after training had finished, and torchrun reported the job failed. A one-process
+    world, as torchrun describes it in the environment, in this process."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(k, v)
+    run = train(cfg(converted, tmp_path / "r", epochs=1, workers=0))
+    assert _summary(run)["status"] == "finished" and json.loads((run / "config.json").read_text())["world_size"] == 1
+    assert not dist.is_initialized()
+
+
 @pytest.mark.slow
 def test_torchrun_two_processes_gloo(converted, tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")

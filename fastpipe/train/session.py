@@ -19,7 +19,7 @@ from torch import nn
 
 from fastpipe import __version__
 from fastpipe.dataset.manifest import load
-from fastpipe.errors import ConfigError
+from fastpipe.errors import ConfigError, FastpipeError
 from fastpipe.loaders import LoaderConfig, make_loader_from
 from fastpipe.options import amp_for, check_number, normalization, normalize_text
 from fastpipe.train.config import RESUMABLE_CHANGES, TrainConfig, image_size_for_epoch, resumed_config
@@ -142,7 +142,25 @@ def train(cfg: TrainConfig) -> Path:
     """Train cfg.model on cfg.data; returns the run folder."""
     cfg.validate()
     manifest = load(cfg.data, cache_dir=cfg.cache_dir, cache_limit=cfg.cache_limit)
+    ours = "RANK" in os.environ and not dist.is_initialized()
     d, device = setup_distributed(cfg.device)
+    clean = False
+    try:
+        path = _train(cfg, manifest, d, device)
+        clean = True
+        return path
+    except (TrainingStopped, FastpipeError):
+        clean = True
+        raise
+    finally:
+        if ours and dist.is_initialized() and (clean or dist.get_backend() == "gloo"):
+            # A process group left to the interpreter's exit: gloo's threads still hold tensors there, and the
+            # process aborted (SIGABRT) after training had finished, so torchrun reported the job failed. NCCL's
+            # is left alone after an unexpected error, where another rank may still be inside a collective.
+            dist.destroy_process_group()
+
+
+def _train(cfg: TrainConfig, manifest, d: Dist, device: torch.device) -> Path:
     chosen = cfg.normalize is None
     cfg = resolve(cfg, device)
     mean, std = normalization(cfg.normalize, manifest.mean, manifest.std)
