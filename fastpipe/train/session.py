@@ -14,15 +14,15 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fastpipe import __version__
 from fastpipe.dataset.manifest import load
-from fastpipe.errors import ConfigError, FastpipeError
+from fastpipe.errors import ConfigError
 from fastpipe.loaders import LoaderConfig, make_loader_from
 from fastpipe.options import amp_for, check_number, normalization, normalize_text
 from fastpipe.train.config import RESUMABLE_CHANGES, TrainConfig, image_size_for_epoch, resumed_config
+from fastpipe.train.distributed import distributed
 from fastpipe.train.errors import write_errors
 from fastpipe.train.loop import Dist, EpochProgress, Trainer, TrainingStopped, make_optimizer, make_schedule
 from fastpipe.train.models import build_model, weights_normalization
@@ -31,19 +31,6 @@ from fastpipe.train.runs import Run, RunError, default_run_dir
 OOM_ADVICE = ("CUDA ran out of memory. Lower --batch-size (and keep the effective batch with --accum-steps), "
               "use --amp fp16 or bf16, --checkpoint-activations, or a smaller --image-size; "
               "`fastpipe memory --model {model} --image-size {size}` shows what fits; --auto-batch finds it.")
-
-
-def setup_distributed(device: str | None) -> tuple[Dist, torch.device]:
-    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK: then NCCL on GPUs, gloo on CPU. Else a single process."""
-    if "RANK" not in os.environ or dist.is_initialized():
-        d = Dist(dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else Dist()
-        return d, torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    use_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    if use_cuda:
-        torch.cuda.set_device(local)
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    return Dist(dist.get_rank(), dist.get_world_size(), local), torch.device(f"cuda:{local}" if use_cuda else "cpu")
 
 
 def resolve(cfg: TrainConfig, device: torch.device) -> TrainConfig:
@@ -142,22 +129,8 @@ def train(cfg: TrainConfig) -> Path:
     """Train cfg.model on cfg.data; returns the run folder."""
     cfg.validate()
     manifest = load(cfg.data, cache_dir=cfg.cache_dir, cache_limit=cfg.cache_limit)
-    ours = "RANK" in os.environ and not dist.is_initialized()
-    d, device = setup_distributed(cfg.device)
-    clean = False
-    try:
-        path = _train(cfg, manifest, d, device)
-        clean = True
-        return path
-    except (TrainingStopped, FastpipeError):
-        clean = True
-        raise
-    finally:
-        if ours and dist.is_initialized() and (clean or dist.get_backend() == "gloo"):
-            # A process group left to the interpreter's exit: gloo's threads still hold tensors there, and the
-            # process aborted (SIGABRT) after training had finished, so torchrun reported the job failed. NCCL's
-            # is left alone after an unexpected error, where another rank may still be inside a collective.
-            dist.destroy_process_group()
+    with distributed(cfg.device) as (d, device):
+        return _train(cfg, manifest, d, device)
 
 
 def _train(cfg: TrainConfig, manifest, d: Dist, device: torch.device) -> Path:
