@@ -89,7 +89,7 @@ def gil_held(shards: str, epochs: int) -> dict:
     loader = make_loader(shards, "torch", batch_size=64, image_size=224, num_workers=0, device="cpu",
                          normalize=False)
     targets = [(cpu_ops.cv2, "resize"), (cpu_ops.cv2, "flip"), (cpu_ops.simplejpeg, "decode_jpeg")]
-    targets += [(jpegcrop.ext, "decode")] if jpegcrop.ext is not None else []
+    targets += [(jpegcrop.ext, "decode"), (jpegcrop.ext, "header")] if jpegcrop.ext is not None else []
 
     def run():
         n = 0

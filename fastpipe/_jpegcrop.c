@@ -127,20 +127,32 @@ static int get_data(PyObject *obj, Py_buffer *view) {
     return 0;
 }
 
+/* jpeg_read_header on a started decoder: 0, or -1 with the message in d->err. Runs without the GIL: the longjmp of
+ * an error lands here, inside the block that gave the GIL up, never across it. */
+static int read_header(decoder *d) {
+    if (setjmp(d->err.jump))
+        return -1;
+    jpeg_read_header(&d->cinfo, TRUE);
+    return 0;
+}
+
 static PyObject *header(PyObject *self, PyObject *args) {
     PyObject *obj;
     Py_buffer data;
     decoder d;
+    int rc;
     if (!PyArg_ParseTuple(args, "O", &obj) || get_data(obj, &data) < 0)
         return NULL;
+    Py_BEGIN_ALLOW_THREADS /* a few µs a file: held, it was most of what loader threads queue on the GIL for */
     start(&d, data.buf, data.len);
-    if (setjmp(d.err.jump)) {
+    rc = read_header(&d);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
         jpeg_destroy_decompress(&d.cinfo);
         PyBuffer_Release(&data);
         PyErr_SetString(JpegError, d.err.message);
         return NULL;
     }
-    jpeg_read_header(&d.cinfo, TRUE);
     PyObject *sampling = PyTuple_New(d.cinfo.num_components);
     for (int i = 0; sampling != NULL && i < d.cinfo.num_components; i++) {
         PyObject *hv = Py_BuildValue("ii", d.cinfo.comp_info[i].h_samp_factor, d.cinfo.comp_info[i].v_samp_factor);

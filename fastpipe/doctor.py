@@ -197,7 +197,7 @@ def check_workers() -> Check:
 
     from fastpipe.loaders import cpu_ops
     from fastpipe.loaders.cpu import releases_gil
-    from fastpipe.loaders.workers import gil_enabled
+    from fastpipe.loaders.workers import DEFAULT_THREADS_UP_TO, gil_enabled
 
     if not gil_enabled():
         return Check("OK", "loader workers", "threads: this Python runs without the GIL (free-threaded), so every "
@@ -205,9 +205,11 @@ def check_workers() -> Check:
     gil = " (this free-threaded Python runs with the GIL: a module imported asked for it, or PYTHON_GIL=1)" \
         if sysconfig.get_config_var("Py_GIL_DISABLED") else ""
     if releases_gil("auto"):
-        return Check("OK", "loader workers", f"threads: the JPEG decoder ({cpu_ops.active().split(';')[0]}) releases "
-                     f"the GIL, so threads of the training process decode in parallel: no worker processes, no "
-                     f"shared memory{gil} (threads=False or --threads off for processes)")
+        return Check("OK", "loader workers", f"threads up to {DEFAULT_THREADS_UP_TO} workers: the JPEG decoder "
+                     f"({cpu_ops.active().split(';')[0]}) releases the GIL, so threads of the training process decode "
+                     f"in parallel: no worker processes, no shared memory{gil}; processes above that (each image "
+                     f"still holds the GIL for a few percent of its time), unless /dev/shm is too small for them "
+                     f"(threads=True/False or --threads on|off chooses; num_workers=\"probe\" measures both)")
     return Check("OK", "loader workers", f"processes: the Pillow decoder holds the GIL, threads would take turns{gil}",
                  "pip install opencv-python-headless simplejpeg: its decoders release the GIL, and the workers become "
                  "threads (faster, no shared memory)")

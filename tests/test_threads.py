@@ -63,6 +63,52 @@ def test_the_default_is_threads_where_the_decoder_releases_the_gil(converted):
         make_loader(converted, threads="on", **KW)
 
 
+
+@pytest.mark.skipif(cpu_ops.cv2 is None, reason="needs a decoder that releases the GIL")
+def test_many_workers_are_processes_by_default_unless_dev_shm_is_too_small(converted, monkeypatch):
+    """Past DEFAULT_THREADS_UP_TO workers the threads would queue on the GIL: processes, unless /dev/shm cannot hold
+    their batches (a container's 64 MB), where processes would be cut down to fit and threads win."""
+    from fastpipe.loaders import workers
+
+    many = workers.DEFAULT_THREADS_UP_TO + 1
+    kw = {**KW, "batch_size": 64, "image_size": 224}  # 9.6 MB a batch
+    monkeypatch.setattr(workers, "shm_free", lambda path=workers.SHM: 64 << 30)
+    assert make_loader(converted, num_workers=workers.DEFAULT_THREADS_UP_TO, **kw).in_threads
+    assert not make_loader(converted, num_workers=many, **kw).in_threads
+    assert make_loader(converted, num_workers=many, threads=True, **kw).in_threads  # asked for: as asked
+    monkeypatch.setattr(workers, "shm_free", lambda path=workers.SHM: 64 << 20)
+    loader = make_loader(converted, num_workers=many, **kw)
+    assert loader.in_threads and loader.num_workers == many
+
+
+def test_the_threads_share_each_batch(converted, monkeypatch):
+    """One batch is decoded by every thread at once: the first batch comes after a part of one batch's decode, and
+    no thread idles while another makes the epoch's last batch."""
+    who, real = {}, CpuDecode.part  # the batch's first sample id -> threads that decoded a part of it
+
+    def part(self, job, *a):
+        who.setdefault(int(job.raw.ids[0]), set()).add(threading.current_thread().name)
+        return real(self, job, *a)
+
+    monkeypatch.setattr(CpuDecode, "part", part)
+    first, real_decode = threading.Event(), CpuDecode._decode
+
+    def decode(self, *a):  # the first decode waits (for an event, at most 60 s) until a second thread has a part
+        if not first.is_set():
+            first.set()
+            for _ in range(600):
+                if len(set().union(*who.values())) > 1:
+                    break
+                threading.Event().wait(0.1)
+        return real_decode(self, *a)
+
+    monkeypatch.setattr(CpuDecode, "_decode", decode)
+    loader = make_loader(converted, num_workers=2, threads=True, **{**KW, "batch_size": 16, "split": "val"})
+    it = iter(loader)
+    next(it)
+    it.close()
+    assert len(who[0]) == 2  # both threads decoded samples of the first batch
+
 def test_a_thread_mode_loader_uses_no_shared_memory(converted, monkeypatch):
     """torch's shared memory made to fail, as where /dev/shm is missing or full: threads do not touch it."""
     def refused(*_a, **_k):
@@ -124,14 +170,14 @@ def test_no_thread_outlives_an_epoch_however_it_ends(converted, monkeypatch):
     assert not running()
     calls = []
 
-    def bug(self, raw, positions, epoch):
+    def bug(self, *a):
         calls.append(1)
         if len(calls) > 3:
             raise ZeroDivisionError("a bug in a decoder")
-        return real(self, raw, positions, epoch)
+        return real(self, *a)
 
-    real = CpuDecode.__call__
-    monkeypatch.setattr(CpuDecode, "__call__", bug)
+    real = CpuDecode.part  # the batch's machinery, not a sample's decode (a sample that fails is skipped)
+    monkeypatch.setattr(CpuDecode, "part", bug)
     with pytest.raises(ZeroDivisionError, match="a bug in a decoder"):  # as it is, with its traceback
         list(loader)
     assert not running()

@@ -15,6 +15,8 @@ twice. With on_error="raise" the batch stops with the sample's name instead.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -61,6 +63,21 @@ class _Prepare:
         return [i if i in ok else good[i % len(good)] for i in range(n)]
 
 
+@dataclass
+class _Job:
+    """A batch being decoded: its samples, draws and buffer, and each sample's outcome."""
+
+    raw: RawBatch
+    positions: np.ndarray
+    epoch: int
+    buffer: torch.Tensor
+    slot: int
+    pixels: np.ndarray
+    rngs: list
+    ok: list[bool]
+    failures: list[str | None]
+
+
 class CpuDecode(_Prepare):
     def __init__(self, cfg: LoaderConfig, num_classes: int, multilabel: bool, buffers: BufferPool,
                  max_pixels: int = DEFAULT_MAX_PIXELS):
@@ -68,29 +85,45 @@ class CpuDecode(_Prepare):
         self.buffers = buffers
 
     def __call__(self, raw: RawBatch, positions, epoch: int) -> HostBatch:
-        n = len(raw)
+        job = self.begin(raw, positions, epoch)
+        self.part(job, 0, len(raw))
+        return self.end(job)
+
+    # A batch in three steps, so that worker threads can share one batch's samples (threads.py): begin (its buffer
+    # and draws), part (samples lo..hi, decoded straight into the buffer's rows; parts may run at once), end.
+    def begin(self, raw: RawBatch, positions, epoch: int) -> _Job:
         buffer, slot = self.buffers.take()
-        pixels = buffer.numpy()  # one view per batch: a tensor index + .numpy() per image showed in the profile
-        good, skipped = [], []
-        for i, (image, rng) in enumerate(zip(raw.images, self.rngs(epoch, positions))):
+        n = len(raw)
+        # one view per batch: a tensor index + .numpy() per image showed in the profile
+        return _Job(raw, positions, epoch, buffer, slot, buffer.numpy(), self.rngs(epoch, positions), [False] * n,
+                    [None] * n)
+
+    def part(self, job: _Job, lo: int, hi: int, shards=None) -> None:
+        """Samples lo..hi of the batch; `shards`: the ShardSet to fetch a sample again through (its own maps)."""
+        for i in range(lo, hi):
             try:
-                self._decode(image, rng, pixels[i])  # decoded straight into the batch
-                good.append(i)
+                self._decode(job.raw.images[i], job.rngs[i], job.pixels[i])
+                job.ok[i] = True
             except Exception as e:  # any decoder failure is this sample's problem, reported with its key
-                if self._refetched(raw, i, positions, epoch, pixels[i], e, skipped):
-                    good.append(i)
+                said: list[str] = []
+                job.ok[i] = self._refetched(job.raw, i, job.positions, job.epoch, job.pixels[i], e, said, shards)
+                job.failures[i] = said[-1] if said else None
+
+    def end(self, job: _Job) -> HostBatch:
+        raw, buffer, n = job.raw, job.buffer, len(job.raw)
+        good, skipped = [i for i in range(n) if job.ok[i]], [f for f in job.failures if f]
         pick = self._fill(good, n, skipped[-1] if skipped else "") if self.train else good
         if pick == list(range(n)):
-            return HostBatch(raw.labels, torch.from_numpy(raw.ids), images=buffer[:n], skipped=skipped, slot=slot)
+            return HostBatch(raw.labels, torch.from_numpy(raw.ids), images=buffer[:n], skipped=skipped, slot=job.slot)
         buffer[: len(pick)] = buffer[pick].clone()
         return HostBatch(raw.labels[pick], torch.from_numpy(raw.ids[pick]), images=buffer[: len(pick)],
-                         skipped=skipped, slot=slot)
+                         skipped=skipped, slot=job.slot)
 
-
-    def _refetched(self, raw: RawBatch, i: int, positions, epoch: int, out, error: Exception, skipped) -> bool:
+    def _refetched(self, raw: RawBatch, i: int, positions, epoch: int, out, error: Exception, skipped,
+                   shards=None) -> bool:
         """Remote data: a sample that does not decode is fetched once more from the store and decoded again with the
         same draws (the node cache's copy may be what is damaged); True when that worked, else it is bad."""
-        again = raw.shards.refetch(int(raw.ids[i]))
+        again = (shards or raw.shards).refetch(int(raw.ids[i]))
         if again is not None:
             try:
                 self._decode(again[0], self.rngs(epoch, positions[i : i + 1])[0], out)

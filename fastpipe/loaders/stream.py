@@ -275,14 +275,24 @@ class StreamLoader(Loader):
 
     def _pick_workers(self) -> tuple[int, bool]:
         """(worker count, whether the workers are threads)."""
-        from fastpipe.loaders.workers import heuristic_workers, tuned_workers
+        from fastpipe.loaders.workers import DEFAULT_THREADS_UP_TO, gil_enabled, heuristic_workers, tuned_workers
 
         cfg = self.cfg
         if cfg.num_workers == "probe":
             return tuned_workers(self.manifest, cfg, self.name)
         workers = heuristic_workers(cfg.world_size if self.device.type == "cuda" else 1) \
             if cfg.num_workers is None else cfg.num_workers
-        return workers, workers > 0 and (self.threads_by_default() if cfg.threads is None else cfg.threads)
+        if workers == 0 or cfg.threads is not None:
+            return workers, workers > 0 and bool(cfg.threads)
+        return workers, self.threads_by_default() and (workers <= DEFAULT_THREADS_UP_TO or not gil_enabled()
+                                                        or not self._processes_fit(workers))
+
+    def _processes_fit(self, workers: int) -> bool:
+        """Whether `workers` processes' batches fit in /dev/shm with the asked prefetch."""
+        from fastpipe.loaders.workers import fit_shared_memory, shm_free
+
+        prefetch = self.cfg.prefetch_factor
+        return fit_shared_memory(workers, self.batch_bytes(), prefetch, shm_free())[:2] == (workers, prefetch)
 
     def threads_by_default(self) -> bool:
         """Whether worker threads are faster than processes for this backend's host work: where it runs without

@@ -5,31 +5,37 @@ so N threads of one process decode about as fast as N processes, without what pr
 over through shared memory (/dev/shm, which a container may have little of) with pickled metadata and a receiving
 thread, an interpreter per worker (memory, start-up, a cold first epoch).
 
-The plan is SampleStream's, worker for worker: thread w makes the batches that worker process w would make (the
-epoch's batch t by thread t % N), into its own pooled buffers, each read through its own maps of the shards (as a
-process has them), and hands them over in the plan's order through a queue of `prefetch` batches. So the batches
-are the process mode's, bit for bit, and a FastpipeError ends the stream as a HostBatch carrying it, as there.
-Another exception in a thread is raised in the training process as it is, with its traceback.
+The threads share each batch. The plan is SampleStream's whole epoch, batch after batch (the batches N worker
+processes make between them, in the order the caller takes them); a batch is opened (its samples read, its buffer
+and draws: `prepare.begin`) by one thread, and its samples are decoded in chunks by whichever threads are free
+(`prepare.part`), straight into the batch's buffer; the thread that finishes its last chunk ends it
+(`prepare.end`). So every batch is the process mode's, bit for bit, and the threads never idle while the last batch
+of an epoch is made by one of them, or while the caller waits for its first batch. A backend whose preparation
+does not split (nvjpeg's: headers only) makes each batch in one chunk. At most N x (prefetch + 1) batches are
+opened beyond the last the caller took, as N worker processes hold them; batch t takes its buffer from the pool of
+worker t % N, as worker process t % N would.
+
+A FastpipeError ends the stream as a HostBatch carrying it, as in worker processes. Another exception in a thread
+is raised in the training process as it is, with its traceback, where it takes that batch.
 
 Stopping (the epoch's end, an exception or Ctrl-C in the training process, the iterator dropped, `close()`): the
-threads are told to stop, their queues are emptied so that none waits to put a batch, and they are waited for; each
-finishes at most the batch it is making. They block SIGINT and SIGTERM, so a signal sent to the process always
-wakes the training process's main thread, where Python handles it.
+threads are told to stop and waited for; each finishes at most the chunk it is decoding or the batch it is opening.
+They block SIGINT and SIGTERM, so a signal sent to the process always wakes the training process's main thread,
+where Python handles it.
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
-import queue
 import signal
 import threading
-from contextlib import closing
 
-from fastpipe.loaders.batch import set_worker_thread
+from fastpipe.errors import FastpipeError
+from fastpipe.loaders.batch import HostBatch, set_worker_thread
 
 THREAD_NAME = "fastpipe-loader"
-_END = object()  # a thread's plan is done
+CHUNK = 8  # samples a thread decodes at a time (about 2 ms at 320 px): one lock round per chunk
 # Ctrl-C can land inside Thread.start(), before or after the thread was created: how long close() waits to see it
 # begin. Only a start that was interrupted before the thread existed waits this long.
 BEGIN_BOUND_S = 2.0
@@ -49,13 +55,42 @@ def _own_shards(stream):
     return mine
 
 
+class _Batch:
+    """One batch being made: its preparation state, its chunks, what is left of them, and the result."""
+
+    __slots__ = ("chunks", "done", "failed", "given", "job", "left", "result")
+
+    def __init__(self, job, n: int, split: bool):
+        self.job, self.given, self.result, self.failed, self.done = job, 0, None, False, False
+        self.chunks = [(lo, min(lo + CHUNK, n)) for lo in range(0, n, CHUNK)] if split and n else [(0, n)]
+        self.left = len(self.chunks)  # chunks not finished
+
+    @classmethod
+    def unopened(cls) -> _Batch:
+        """A batch that failed before it had samples: nothing to decode, its result the failure."""
+        b = cls(None, 0, False)
+        b.chunks, b.left, b.done = [], 0, True
+        return b
+
+
 class LoaderThreads:
-    """One epoch's batches from `workers` threads, each `prefetch` batches ahead at most; iterate once."""
+    """One epoch's batches from `workers` threads sharing each batch; iterate once."""
 
     def __init__(self, stream, workers: int, prefetch: int):
+        from fastpipe.loaders.stream import fetched_ahead
+
         self.stream, self.workers = stream, workers
+        self.prepare, self.epoch = stream.prepare, int(stream.epoch[0])
+        self.split = hasattr(self.prepare, "part")
+        self.ahead = workers * (max(prefetch, 1) + 1)  # as N worker processes: prefetch queued + one being made
+        self._reader = _own_shards(stream)
+        self._plan = fetched_ahead(self._reader.shards, self._reader.plan(0, 1))
+        self._cond = threading.Condition()
         self._stop = threading.Event()
-        self._queues = [queue.Queue(max(prefetch, 1)) for _ in range(workers)]
+        self._made: dict[int, _Batch] = {}  # opened, not taken yet
+        self._opened = self._taken = 0
+        self._current: _Batch | None = None  # the batch whose chunks are being handed out
+        self._opening = self._ended = False  # ended: no batch after the last opened
         self._threads = [threading.Thread(target=self._run, args=(w,), name=f"{THREAD_NAME}-{w}", daemon=True)
                          for w in range(workers)]
         self._began = [threading.Event() for _ in range(workers)]
@@ -66,15 +101,25 @@ class LoaderThreads:
             for t in self._threads:
                 self._asked += 1
                 t.start()
-            for b in itertools.count():
-                item = self._queues[b % self.workers].get()
-                if item is _END:  # thread b % N has no batch b: neither has any later one (the plan is b % N)
+            for t in itertools.count():
+                with self._cond:
+                    while not self._ready(t):
+                        self._cond.wait()
+                    b = self._made.pop(t, None)
+                    self._taken = t + 1
+                    self._cond.notify_all()
+                if b is None:
                     return
-                if isinstance(item, _Raised):
-                    raise item.error
-                yield item
+                if isinstance(b.result, _Raised):
+                    raise b.result.error
+                yield b.result
         finally:
             self.close()
+
+    def _ready(self, t: int) -> bool:
+        """Batch t is made, or there is none."""
+        b = self._made.get(t)
+        return b.done if b is not None else self._ended and not self._opening
 
     def _run(self, w: int) -> None:
         self._began[w].set()
@@ -82,32 +127,97 @@ class LoaderThreads:
             return
         if hasattr(signal, "pthread_sigmask"):
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        set_worker_thread(w, self.workers)
-        out = self._queues[w]
-        try:
-            with closing(_own_shards(self.stream).batches(w, self.workers)) as batches:
-                for batch in batches:
-                    out.put(batch)
+        own = _own_shards(self.stream).shards  # to fetch a damaged sample again through
+        while (task := self._claim()) is not None:
+            b, (lo, hi) = task
+            try:
+                if not b.failed:  # else another chunk failed: the batch is a failure already
+                    if self.split:
+                        self.prepare.part(b.job, lo, hi, own)
+                    else:
+                        b.result = self.prepare(*b.job, self.epoch)
+            except BaseException as e:
+                self._fail(b, e)
+            self._finish(b)
+
+    def _claim(self):
+        """(batch, chunk) to decode next, opening the next batch when the current one is all handed out; None when
+        there is nothing left or the threads are stopped."""
+        while True:
+            with self._cond:
+                while True:
                     if self._stop.is_set():
-                        return
-        except BaseException as e:  # raised where the training process takes this thread's next batch
-            out.put(_Raised(e))
-            return
-        out.put(_END)
+                        return None
+                    b = self._current
+                    if b is not None and b.given < len(b.chunks):
+                        b.given += 1
+                        return b, b.chunks[b.given - 1]
+                    if self._ended:
+                        return None
+                    if not self._opening and self._opened < self._taken + self.ahead:
+                        break
+                    self._cond.wait()
+                self._opening, t = True, self._opened
+            b = self._open(t)
+            with self._cond:
+                self._opening = False
+                if b is None:
+                    self._ended = True
+                else:
+                    self._made[t], self._current, self._opened = b, b, t + 1
+                self._cond.notify_all()
+
+    def _open(self, t: int) -> _Batch | None:
+        """Batch t read and begun (its buffer from the pool of worker t % N), or None after the plan's last."""
+        set_worker_thread(t % self.workers, self.workers)
+        try:
+            item = next(self._plan, None)
+            if item is None:
+                return None
+            ids, positions = item
+            raw = self._reader.shards.read(ids)
+            job = self.prepare.begin(raw, positions, self.epoch) if self.split else (raw, positions)
+            return _Batch(job, len(ids), self.split)
+        except BaseException as e:
+            b = _Batch.unopened()
+            self._fail(b, e)
+            return b
+
+    def _fail(self, b: _Batch, e: BaseException) -> None:
+        with self._cond:
+            if not b.failed:  # the first failure of a batch is its result
+                b.failed, b.result = True, HostBatch.failed(str(e)) if isinstance(e, FastpipeError) else _Raised(e)
+            self._ended = True  # nothing opened after a failed batch: the caller stops there
+
+    def _finish(self, b: _Batch) -> None:
+        """A chunk of b is done; after its last, the batch is ended (outside the lock) and handed over."""
+        with self._cond:
+            b.left -= 1
+            if b.left:
+                return
+        try:
+            if not b.failed:
+                if self.split:
+                    b.result = self.prepare.end(b.job)
+                remote = self._reader.shards.remote
+                if remote is not None:
+                    b.result.io = remote.counters.take()
+        except BaseException as e:
+            self._fail(b, e)
+        with self._cond:
+            b.done = True
+            self._cond.notify_all()
 
     def close(self) -> None:
-        """Stop the threads and wait for them (each finishes the batch it is making). A thread puts at most one more
-        batch after its queue was emptied here, and its queue has room for it, so none is left waiting."""
+        """Stop the threads and wait for them (each finishes the chunk it is decoding or the batch it is opening)."""
         self._stop.set()
-        for q in self._queues:
-            while True:
-                try:
-                    q.get_nowait()
-                except queue.Empty:
-                    break
+        with self._cond:
+            self._cond.notify_all()
         for t, began in zip(self._threads[: self._asked], self._began):
             if t is not threading.current_thread() and began.wait(BEGIN_BOUND_S):
                 t.join()
+        if all(not t.is_alive() for t in self._threads):
+            self._plan.close()  # a fetch thread of remote data ends with it
 
 
 def running() -> list[threading.Thread]:

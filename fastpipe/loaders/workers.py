@@ -8,6 +8,13 @@ import sys
 
 from fastpipe.util import usable_cores
 
+# Worker threads by default up to this many workers (where the decoder releases the GIL). Each image still holds
+# the GIL for about 8 % of its time (shard reading, draws, the decoders' Python wrappers, batch assembly:
+# benchmarks/profile_worker.py --gil), so N threads keep it busy about N x 8 % of the time, plus what the training
+# step holds: at 8 that is about two thirds, and threads start to queue on it; from 12 on they could not all run.
+# Above this, processes, unless /dev/shm cannot hold their batches (processes would then be cut down to fit).
+DEFAULT_THREADS_UP_TO = 8
+
 
 def heuristic_workers(devices: int = 1) -> int:
     """The starting point before any measurement: the cores per device, less one for the training process
