@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -289,6 +290,31 @@ def _edited(run: Path, tmp_path: Path, change) -> Path:
     change(ck)
     torch.save(ck, copy / "best.pt")
     return copy
+
+
+def test_a_run_validated_with_dali_predicts_with_torch_where_dali_is_missing(trained, tmp_path, monkeypatch, capsys):
+    """DALI not installed here (its import fails, as on a machine without it): predict goes on with torch, says the
+    pixels differ slightly and names the pip command for this torch's CUDA; the classes are still the run's."""
+    from fastpipe.loaders.dali import install_command
+
+    src, _, run = trained
+    dali_run = _edited(run, tmp_path, lambda ck: ck["inference"].update(backend="dali"))
+    monkeypatch.setitem(sys.modules, "nvidia.dali", None)
+    assert main(["predict", str(dali_run), str(src), "--out", str(tmp_path / "p.csv")]) == 0
+    said = capsys.readouterr().err
+    assert "validated with the dali backend, not installed here: predicting with torch" in said
+    assert install_command() in said
+    assert main(["predict", str(run), str(src), "--out", str(tmp_path / "t.csv")]) == 0
+    assert [r["predicted"] for r in read_rows(tmp_path / "p.csv")] == \
+        [r["predicted"] for r in read_rows(tmp_path / "t.csv")]
+
+
+def test_the_dali_extra_named_is_the_one_for_the_cuda_of_torch():
+    from fastpipe.loaders.dali import install_command
+
+    assert install_command("12.4") == "pip install 'fastpipe[dali]'"
+    assert install_command("13.0") == "pip install 'fastpipe[dali-cu13]'"
+    assert "fastpipe[dali]" in install_command("11.8") and "fastpipe[dali-cu13]" in install_command("11.8")
 
 
 @pytest.mark.parametrize("case,expected", [

@@ -34,6 +34,16 @@ from fastpipe.util import usable_cores
 
 INSTALL_HINT = ("the dali backend needs NVIDIA DALI: pip install 'fastpipe[dali]' (CUDA 12 torch) or "
                 "'fastpipe[dali-cu13]' (CUDA 13 torch), or use backend='nvjpeg' for GPU decoding without DALI")
+EXTRAS = {"12": "fastpipe[dali]", "13": "fastpipe[dali-cu13]"}  # the DALI build for each CUDA major version
+
+
+def install_command(cuda: str | None = None) -> str:
+    """The pip command that installs the DALI build for this torch's CUDA (`cuda`: torch.version.cuda by default);
+    both, named, for a CPU-only torch or a CUDA version without one."""
+    major = str(cuda or torch.version.cuda or "").split(".")[0]
+    if major in EXTRAS:
+        return f"pip install '{EXTRAS[major]}'"
+    return "pip install 'fastpipe[dali]' (CUDA 12) or 'fastpipe[dali-cu13]' (CUDA 13)"
 
 
 def _import_dali():

@@ -64,8 +64,10 @@ def _backend(cfg: PredictConfig, model: Model, log) -> str:
     gives way to torch, and a CPU decoder other than validation's is said."""
     backend = cfg.backend or model.card.get("backend", "torch")
     if backend == "dali" and importlib.util.find_spec("nvidia.dali") is None and not cfg.backend:
+        from fastpipe.loaders.dali import install_command
+
         log("note: the run validated with the dali backend, not installed here: predicting with torch, whose pixels "
-            "differ slightly from validation's (pip install 'fastpipe[dali-cu13]' for the same)")
+            f"differ slightly from validation's ({install_command()} for the same)")
         backend = "torch"
     ran, here = model.card.get("decoder", ""), cpu_ops.active(model.card["cpu_decoder"])
     if backend == "torch" and ran and ran != here:
