@@ -127,11 +127,14 @@ static int get_data(PyObject *obj, Py_buffer *view) {
     return 0;
 }
 
-/* jpeg_read_header on a started decoder: 0, or -1 with the message in d->err. Runs without the GIL: the longjmp of
- * an error lands here, inside the block that gave the GIL up, never across it. */
-static int read_header(decoder *d) {
+/* The decoder started on `data` and its header read: 0, or -1 with the message in d->err. Runs without the GIL: the
+ * longjmp of an error (also one of jpeg_create_decompress, out of memory) lands here, inside the block that gave the
+ * GIL up, never across it. */
+static int read_header(decoder *d, const unsigned char *data, Py_ssize_t size) {
+    memset(d, 0, sizeof *d); /* an error before jpeg_create_decompress is done leaves nothing to destroy */
     if (setjmp(d->err.jump))
         return -1;
+    start(d, data, size);
     jpeg_read_header(&d->cinfo, TRUE);
     return 0;
 }
@@ -144,8 +147,7 @@ static PyObject *header(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O", &obj) || get_data(obj, &data) < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS /* a few µs a file: held, it was most of what loader threads queue on the GIL for */
-    start(&d, data.buf, data.len);
-    rc = read_header(&d);
+    rc = read_header(&d, data.buf, data.len);
     Py_END_ALLOW_THREADS
     if (rc < 0) {
         jpeg_destroy_decompress(&d.cinfo);
@@ -202,15 +204,16 @@ static int run(job *j) {
     decoder d;
     JDIMENSION left, width, rows = (JDIMENSION)(j->y1 - j->y0);
     JSAMPROW row[16];
-    start(&d, j->data, j->size);
-    d.limit.pub.progress_monitor = count_scans;
-    d.limit.max_scans = j->max_scans;
-    d.cinfo.progress = &d.limit.pub;
+    memset(&d, 0, sizeof d); /* an error before jpeg_create_decompress is done leaves nothing to destroy */
     if (setjmp(d.err.jump)) {
         strcpy(j->message, d.err.message);
         jpeg_destroy_decompress(&d.cinfo); /* aborts too */
         return -1;
     }
+    start(&d, j->data, j->size); /* after setjmp: jpeg_create_decompress may fail (out of memory) */
+    d.limit.pub.progress_monitor = count_scans;
+    d.limit.max_scans = j->max_scans;
+    d.cinfo.progress = &d.limit.pub;
     jpeg_read_header(&d.cinfo, TRUE);
     if ((j->refused = refuse(&d.cinfo)) != NULL)
         goto fail;

@@ -183,6 +183,62 @@ def test_no_thread_outlives_an_epoch_however_it_ends(converted, monkeypatch):
     assert not running()
 
 
+def test_the_earliest_bad_sample_of_a_batch_is_the_one_named_whichever_thread_fails_first(converted, monkeypatch):
+    """on_error="raise": two bad samples in one batch, in chunks decoded by different threads, the later one failing
+    first (held by an event): the error names the earlier sample, as one process decoding in order finds it."""
+    import numpy as np
+
+    from fastpipe.dataset.manifest import load
+    from fastpipe.errors import DataError
+    from fastpipe.loaders.shards import ShardSet
+    from fastpipe.loaders.threads import CHUNK
+
+    raw = ShardSet(load(converted), "val").read(np.arange(2 * CHUNK))  # the first val batch
+    early, late = bytes(raw.images[2]), bytes(raw.images[CHUNK + 2])
+    late_failed, real = threading.Event(), CpuDecode._decode
+
+    def decode(self, image, *a):
+        if bytes(image) == late:
+            late_failed.set()
+            raise ValueError("bad pixels")
+        if bytes(image) == early:
+            late_failed.wait(60)
+            raise ValueError("bad pixels")
+        return real(self, image, *a)
+
+    monkeypatch.setattr(CpuDecode, "_decode", decode)
+    loader = make_loader(converted, num_workers=2, threads=True, on_error="raise",
+                         **{**KW, "batch_size": 2 * CHUNK, "split": "val"})
+    with pytest.raises(DataError) as said:
+        list(loader)
+    assert late_failed.is_set() and raw.name(2) in str(said.value) and raw.name(CHUNK + 2) not in str(said.value)
+    assert not running()
+
+
+def test_an_iteration_closed_by_a_newer_one_ends_instead_of_waiting(converted):
+    """A new iteration of the loader ends the threads of the one before: taking a batch from the older iterator then
+    ends it (it does not wait for threads that are gone, nor hand out a batch whose buffer is reused)."""
+    loader = make_loader(converted, num_workers=2, threads=True, **{**KW, "batch_size": 2})
+    older = iter(loader)
+    next(older)
+    newer = iter(loader)
+    next(newer)
+    rest, said = [], []
+
+    def take():
+        try:
+            rest.extend(older)
+        except RuntimeError as e:
+            said.append(str(e))
+
+    taker = threading.Thread(target=take, daemon=True)
+    taker.start()
+    taker.join(60)  # a bound for the failure this guards against (waiting forever), not a timing
+    assert not taker.is_alive() and rest == [] and "was ended by a newer one" in said[0]
+    assert len(list(newer)) == len(loader) - 1
+    assert not running()
+
+
 def test_ctrl_c_while_the_threads_decode_stops_them_all(converted, monkeypatch):
     """Ctrl-C reaches the training process's main thread while it waits for a batch and the threads are inside a
     decode (held there by an event, not a time); the epoch ends with KeyboardInterrupt and no thread left."""

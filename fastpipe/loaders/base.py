@@ -267,6 +267,7 @@ class Loader:
 
     def __iter__(self) -> Iterator[tuple]:
         stats = self.stats = LoaderStats(epoch=self.epoch)
+        self._iterations = mine = getattr(self, "_iterations", 0) + 1
         self.position, self._resume, self._complete = self._resume or 0, None, False
         self._start, self._batch_index = self.position, 0
         expected, start = self._expected(), time.perf_counter()
@@ -292,6 +293,9 @@ class Loader:
                 self.position += step
             yield (x, y, keys) if self.cfg.with_keys else (x, y)
         stats.seconds = time.perf_counter() - start
+        if mine != self._iterations:  # its workers were ended when the newer iteration started
+            raise RuntimeError(f"this iteration of the {self.name} loader was ended by a newer one (iter(loader) or "
+                               f"a for loop over it began again): take batches from the newest iteration only")
         if stats.batches != expected:
             raise RuntimeError(f"{self.name} loader yielded {stats.batches} batches, expected {expected}: "
                                f"a bug in fastpipe's epoch rule, please report it")

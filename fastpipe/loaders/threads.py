@@ -58,19 +58,30 @@ def _own_shards(stream):
 class _Batch:
     """One batch being made: its preparation state, its chunks, what is left of them, and the result."""
 
-    __slots__ = ("chunks", "done", "failed", "given", "job", "left", "result")
+    __slots__ = ("chunks", "done", "failed_at", "given", "job", "left", "result")
 
     def __init__(self, job, n: int, split: bool):
-        self.job, self.given, self.result, self.failed, self.done = job, 0, None, False, False
+        self.job, self.given, self.result, self.done = job, 0, None, False
         self.chunks = [(lo, min(lo + CHUNK, n)) for lo in range(0, n, CHUNK)] if split and n else [(0, n)]
         self.left = len(self.chunks)  # chunks not finished
+        self.failed_at: int | None = None  # the first sample of the earliest chunk that failed
+
+    @property
+    def failed(self) -> bool:
+        return self.failed_at is not None
 
     @classmethod
-    def unopened(cls) -> _Batch:
+    def unopened(cls, result) -> _Batch:
         """A batch that failed before it had samples: nothing to decode, its result the failure."""
         b = cls(None, 0, False)
-        b.chunks, b.left, b.done = [], 0, True
+        b.chunks, b.left, b.done, b.result, b.failed_at = [], 0, True, result, -1
         return b
+
+
+def _failure(e: BaseException):
+    """What the caller gets for an error in a thread: a FastpipeError as a failed batch (its message, no worker
+    traceback, as from worker processes), anything else raised as it is."""
+    return HostBatch.failed(str(e)) if isinstance(e, FastpipeError) else _Raised(e)
 
 
 class LoaderThreads:
@@ -105,19 +116,26 @@ class LoaderThreads:
                 with self._cond:
                     while not self._ready(t):
                         self._cond.wait()
+                    if self._stop.is_set():  # closed (a new iteration began, or close()): nothing more from here
+                        return
                     b = self._made.pop(t, None)
                     self._taken = t + 1
                     self._cond.notify_all()
                 if b is None:
                     return
-                if isinstance(b.result, _Raised):
-                    raise b.result.error
-                yield b.result
+                result, b.result = b.result, None  # the caller's alone: its buffer returns when the caller drops it
+                if isinstance(result, _Raised):
+                    raise result.error
+                yield result
+                if b.failed:  # a FastpipeError ends the stream, as in worker processes
+                    return
         finally:
             self.close()
 
     def _ready(self, t: int) -> bool:
-        """Batch t is made, or there is none."""
+        """Batch t is made, or there is none, or the threads were stopped."""
+        if self._stop.is_set():
+            return True
         b = self._made.get(t)
         return b.done if b is not None else self._ended and not self._opening
 
@@ -129,16 +147,20 @@ class LoaderThreads:
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         own = _own_shards(self.stream).shards  # to fetch a damaged sample again through
         while (task := self._claim()) is not None:
-            b, (lo, hi) = task
-            try:
-                if not b.failed:  # else another chunk failed: the batch is a failure already
-                    if self.split:
-                        self.prepare.part(b.job, lo, hi, own)
-                    else:
-                        b.result = self.prepare(*b.job, self.epoch)
-            except BaseException as e:
-                self._fail(b, e)
-            self._finish(b)
+            self._work(*task, own)
+            del task  # nothing of a batch is kept while this thread waits for the next chunk
+
+    def _work(self, b: _Batch, chunk: tuple[int, int], own) -> None:
+        lo, hi = chunk
+        try:
+            if not b.failed or lo < b.failed_at:  # the earliest failure is the batch's, as one process finds it
+                if self.split:
+                    self.prepare.part(b.job, lo, hi, own)
+                else:
+                    b.result = self.prepare(*b.job, self.epoch)
+        except BaseException as e:
+            self._fail(b, e, lo)
+        self._finish(b)
 
     def _claim(self):
         """(batch, chunk) to decode next, opening the next batch when the current one is all handed out; None when
@@ -158,14 +180,20 @@ class LoaderThreads:
                         break
                     self._cond.wait()
                 self._opening, t = True, self._opened
-            b = self._open(t)
-            with self._cond:
-                self._opening = False
-                if b is None:
-                    self._ended = True
-                else:
-                    self._made[t], self._current, self._opened = b, b, t + 1
-                self._cond.notify_all()
+            b = None
+            try:
+                b = self._open(t)
+            except BaseException as e:  # _open takes its errors into the batch: this is the last resort
+                b = _Batch.unopened(_Raised(e))
+            finally:
+                with self._cond:
+                    self._opening = False
+                    if b is None:
+                        self._ended = True
+                    else:
+                        self._made[t], self._current, self._opened = b, b, t + 1
+                        self._ended = self._ended or b.failed
+                    self._cond.notify_all()
 
     def _open(self, t: int) -> _Batch | None:
         """Batch t read and begun (its buffer from the pool of worker t % N), or None after the plan's last."""
@@ -179,14 +207,14 @@ class LoaderThreads:
             job = self.prepare.begin(raw, positions, self.epoch) if self.split else (raw, positions)
             return _Batch(job, len(ids), self.split)
         except BaseException as e:
-            b = _Batch.unopened()
-            self._fail(b, e)
-            return b
+            return _Batch.unopened(_failure(e))
 
-    def _fail(self, b: _Batch, e: BaseException) -> None:
+    def _fail(self, b: _Batch, e: BaseException, at: int) -> None:
+        """Chunk `at` of b failed: the batch's result is the failure of its earliest failed chunk."""
+        result = _failure(e)
         with self._cond:
-            if not b.failed:  # the first failure of a batch is its result
-                b.failed, b.result = True, HostBatch.failed(str(e)) if isinstance(e, FastpipeError) else _Raised(e)
+            if not b.failed or at < b.failed_at:
+                b.failed_at, b.result = at, result
             self._ended = True  # nothing opened after a failed batch: the caller stops there
 
     def _finish(self, b: _Batch) -> None:
@@ -203,10 +231,11 @@ class LoaderThreads:
                 if remote is not None:
                     b.result.io = remote.counters.take()
         except BaseException as e:
-            self._fail(b, e)
-        with self._cond:
-            b.done = True
-            self._cond.notify_all()
+            self._fail(b, e, len(b.chunks))
+        finally:
+            with self._cond:
+                b.done, b.job = True, None  # the job's buffer and samples live on in the result alone
+                self._cond.notify_all()
 
     def close(self) -> None:
         """Stop the threads and wait for them (each finishes the chunk it is decoding or the batch it is opening)."""
