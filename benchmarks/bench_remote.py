@@ -43,6 +43,8 @@ def parse_args(argv=None):
                     help="WxH of the demo photos without --shards (the shards hold them at 320 px on the short side "
                          "either way: 640x480 makes a larger set, for epochs of many seconds, in a few minutes)")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--threads", choices=["on", "off", "auto"], default="auto",
+                    help="loader workers as threads (on), processes (off), or fastpipe's default (auto)")
     ap.add_argument("--latency", default="0,20,100", help="comma-separated ms added to each request")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--image-size", type=int, default=224)
@@ -78,17 +80,18 @@ def served(folder: Path, ms: float):
 
 
 def cpu_seconds(pid: int | None = None) -> float:
-    """CPU time of the ended child processes (the loader's workers, once closed), or of process `pid`."""
+    """CPU time of the loader (this process, whose threads are its workers in thread mode, and its ended child
+    processes: its worker processes, once closed), or of process `pid`."""
     if pid is None:
-        r = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return r.ru_utime + r.ru_stime
+        return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                       resource.getrusage(resource.RUSAGE_CHILDREN)))
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def one_epoch(where, args, cache: Path | None, keep: bool = False, server: int | None = None) -> dict:
     kw = dict(split="train", batch_size=args.batch_size, image_size=args.image_size, num_workers=args.workers,
-              device="cpu", normalize=False)
+              device="cpu", normalize=False, threads={"on": True, "off": False}.get(args.threads))
     if cache is not None:
         if not keep:
             shutil.rmtree(cache, ignore_errors=True)
@@ -140,12 +143,13 @@ def main(args) -> dict:
                         key + "_vs_local_range": [min(ratios), max(ratios)]})
         rows.append(row)
     print(f"\n{'source':>8} {'epoch img/s':>12} {'x local':>14} {'steady img/s':>13} {'x local':>14} "
-          f"{'1st batch':>9} {'requests':>8} {'MB':>5} {'worker CPU':>10} {'server CPU':>10}")
+          f"{'1st batch':>9} {'requests':>8} {'MB':>5} {'loader CPU':>10} {'server CPU':>10}")
     for r in rows:
         print(f"{r['source']:>8} {r['img_per_s']:12.0f} {_ratio(r, 'img_per_s'):>14} {r['steady_img_per_s']:13.0f} "
               f"{_ratio(r, 'steady_img_per_s'):>14} {r['first_batch_s']:8.2f}s {r['requests']:8d} {r['mb']:5.1f} "
               f"{r['worker_cpu_s']:9.2f}s {r['server_cpu_s']:9.2f}s")
     result = {"machine": platform.node(), "cpus": __import__("os").cpu_count(), "workers": args.workers,
+              "threads": args.threads,
               "batch_size": args.batch_size, "image_size": args.image_size, "train_images": m.split("train").samples,
               "train_mb": train_mb, "local_img_per_s": float(local), "rows": rows, "rounds": args.rounds}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
