@@ -144,6 +144,7 @@ class Loader:
         self.position = 0  # train: samples of this epoch's sequence the steps so far consumed (epoch.py)
         self._resume: int | None = None  # a loaded position: where the next iteration starts
         self._complete = False  # the last iteration ran to the end of its epoch
+        self._iterations = 0  # iterations begun: an older one, resumed, is told it was ended
         self.stats = LoaderStats()
         self.normalization = normalization(self.cfg.normalize, manifest.mean, manifest.std)  # None: uint8
         mean, std = self.normalization or (manifest.mean, manifest.std)
@@ -267,7 +268,7 @@ class Loader:
 
     def __iter__(self) -> Iterator[tuple]:
         stats = self.stats = LoaderStats(epoch=self.epoch)
-        self._iterations = mine = getattr(self, "_iterations", 0) + 1
+        self._iterations = mine = self._iterations + 1
         self.position, self._resume, self._complete = self._resume or 0, None, False
         self._start, self._batch_index = self.position, 0
         expected, start = self._expected(), time.perf_counter()

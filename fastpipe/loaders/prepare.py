@@ -100,13 +100,14 @@ class CpuDecode(_Prepare):
 
     def part(self, job: _Job, lo: int, hi: int, shards=None) -> None:
         """Samples lo..hi of the batch; `shards`: the ShardSet to fetch a sample again through (its own maps)."""
+        images, rngs, pixels, ok = job.raw.images, job.rngs, job.pixels, job.ok  # the per-sample loop: locals
         for i in range(lo, hi):
             try:
-                self._decode(job.raw.images[i], job.rngs[i], job.pixels[i])
-                job.ok[i] = True
+                self._decode(images[i], rngs[i], pixels[i])
+                ok[i] = True
             except Exception as e:  # any decoder failure is this sample's problem, reported with its key
                 said: list[str] = []
-                job.ok[i] = self._refetched(job.raw, i, job.positions, job.epoch, job.pixels[i], e, said, shards)
+                ok[i] = self._refetched(job.raw, i, job.positions, job.epoch, pixels[i], e, said, shards)
                 job.failures[i] = said[-1] if said else None
 
     def end(self, job: _Job) -> HostBatch:

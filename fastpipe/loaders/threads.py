@@ -231,7 +231,7 @@ class LoaderThreads:
                 if remote is not None:
                     b.result.io = remote.counters.take()
         except BaseException as e:
-            self._fail(b, e, len(b.chunks))
+            self._fail(b, e, b.chunks[-1][1])  # after every sample: no chunk of b had failed
         finally:
             with self._cond:
                 b.done, b.job = True, None  # the job's buffer and samples live on in the result alone
