@@ -37,6 +37,27 @@ def test_workers_ignore_a_foreign_sigterm_but_obey_their_main_process(converted)
     assert not workers[1].is_alive()
 
 
+
+def test_a_foreign_sigterm_while_the_workers_start_does_not_kill_them(converted, monkeypatch):
+    """torchrun's or Slurm's SIGTERM to the process group can arrive while the worker processes are being forked,
+    before they have set up who may end them: sent from another process the moment they exist, it waits until they
+    have (it killed them before)."""
+    import torch.utils.data.dataloader as dataloader
+
+    started = dataloader._MultiProcessingDataLoaderIter.__init__
+
+    def and_signalled(self, *a, **k):
+        started(self, *a, **k)
+        for w in self._workers:
+            subprocess.run(["kill", "-TERM", str(w.pid)], check=True)
+
+    monkeypatch.setattr(dataloader._MultiProcessingDataLoaderIter, "__init__", and_signalled)
+    loader = make_loader(converted, "torch", num_workers=2, threads=False, **KW)
+    assert sum(1 for _ in loader) == len(loader)
+    workers = loader.dataloader._iterator._workers
+    assert all(w.is_alive() for w in workers)
+    loader.close()
+
 def test_an_error_kept_in_a_reference_cycle_does_not_hang_the_exit(converted, tmp_path):
     """The CI hang: an epoch abandoned by an exception whose traceback sat in a cycle left workers that the
     garbage collector could not stop, and the interpreter waited for them at exit."""

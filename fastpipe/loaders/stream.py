@@ -219,6 +219,21 @@ def _worker_init(worker_id: int, main_pid: int) -> None:
     threading.Thread(target=obey, name="fastpipe-sigterm", daemon=True).start()
 
 
+def _started_holding_sigterm(start):
+    """start() (which forks the worker processes) with SIGTERM held in this thread: a forked worker inherits the mask,
+    so a SIGTERM sent to the process group while it starts (torchrun's, Slurm's) waits until _worker_init has set up
+    who may end it, instead of killing it before. Held here for the fork's few milliseconds, then delivered."""
+    import signal
+
+    if not hasattr(signal, "sigwaitinfo"):  # macOS: _worker_init leaves SIGTERM to its default action there
+        return start()
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        return start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
 def _stop_workers(ref) -> None:
     """At interpreter exit, before multiprocessing's own exit handler (which signals workers and waits for them):
     DataLoader's own shutdown (an event and a sentinel) ends them at once."""
@@ -321,6 +336,6 @@ class StreamLoader(Loader):
                 self.shards.remote.counters.take()
             self._threads = LoaderThreads(self.dataset, self.num_workers, self.prefetch)
             return iter(self._threads)
-        it = iter(self.dataloader)
+        it = _started_holding_sigterm(lambda: iter(self.dataloader))
         _dead_workers_at_the_next_batch()
         return _deaths_named(it) if self.num_workers else it
