@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import stat
 import sys
@@ -109,6 +110,39 @@ def read_regular(path: Path, limit: int) -> bytes:
     if len(data) > limit:
         raise FileTooLarge(f"{path}: more than the limit of {limit} bytes")
     return data
+
+
+JSON_LIMIT = 64 << 20  # bytes: a JSON document fastpipe reads (dataset.json, a run's records, an export's record)
+JSON_DEPTH = 100  # levels of nesting: fastpipe's own documents have under 20, torch.export's graphs about 12
+
+
+_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+class JSONTooDeep(ValueError):
+    """A JSON document nested deeper than any fastpipe reads (json.loads would exhaust Python's recursion)."""
+
+
+def parse_json(data: bytes | str, max_depth: int = JSON_DEPTH):
+    """A JSON document from outside (a file, a store, a line of a log), its nesting checked before parsing: a
+    ValueError (JSONDecodeError, JSONTooDeep) for anything but plain JSON, never a RecursionError."""
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
+    # Nesting deeper than max_depth takes more than 2 x max_depth brackets (closed or not); those inside strings
+    # do not count.
+    if len(raw.translate(None, _NOT_BRACKETS)) > 2 * max_depth:
+        import numpy as np
+
+        steps = np.frombuffer(_STRINGS.sub(b"", raw).translate(None, _NOT_BRACKETS), np.uint8)
+        if int(np.cumsum(np.where(steps & 0x0F == 0x0B, 1, -1)).max()) > max_depth:  # [{ open, ]} close
+            raise JSONTooDeep(f"nested more than {max_depth} levels deep")
+    return json.loads(data)
+
+
+def read_json(path: Path, limit: int = JSON_LIMIT):
+    """A JSON file fastpipe did not just write: a regular file of at most `limit` bytes (OSError, DataError), then
+    `parse_json` (ValueError)."""
+    return parse_json(read_regular(Path(path), limit))
 
 
 def _nonblocking_opener(path, flags):

@@ -99,3 +99,15 @@ def test_labels_beyond_the_class_list_are_found_by_verify_and_stop_the_loader(co
     with pytest.raises(DataError, match=r"label 2 is outside the 2 classes"):
         list(loader)
     assert m.num_classes == 2
+
+
+def test_a_manifest_nested_too_deep_is_one_clear_error(copy_of):
+    """json.loads recurses once per level: a file nested 100,000 deep would end in a RecursionError."""
+    from fastpipe.util import parse_json
+
+    (copy_of / "dataset.json").write_text('{"classes": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ManifestError, match="nested more than 100 levels deep"):
+        load(copy_of)
+    # brackets inside strings, escaped quotes among them, are text: a shallow document parses
+    text = json.dumps({"name": "[[[" * 200 + '"\\' + "{" * 300, "deep": [[[1]]]})
+    assert parse_json(text)["deep"] == [[[1]]] and parse_json(text.encode()) == json.loads(text)

@@ -638,6 +638,9 @@ def test_a_partial_last_metrics_line_is_dropped_a_damaged_one_is_named(converted
     (out / "metrics.jsonl").write_text('{"epoch": 0}\nnot json\n{"epoch": 1}\n')
     with pytest.raises(RunError, match=r"metrics\.jsonl, line 2"):
         Run(out).metrics()
+    (out / "metrics.jsonl").write_text('{"epoch": 0}\n' + "[" * 100_000 + "]" * 100_000 + '\n{"epoch": 1}\n')
+    with pytest.raises(RunError, match=r"metrics\.jsonl, line 2"):  # nested too deep: damage, not a RecursionError
+        Run(out).metrics()
 
 
 def test_training_without_a_validation_split(tmp_path):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import re
 import shutil
 from collections import Counter
@@ -45,7 +44,7 @@ from fastpipe.errors import ConfigError, DataError
 from fastpipe.options import check, opt
 from fastpipe.store.remote import Remote, is_url
 from fastpipe.store.urls import local_path
-from fastpipe.util import FolderLock
+from fastpipe.util import FolderLock, parse_json
 
 MAX_CLASSES = 100_000  # without --classes, a label above this is damage, not a class index
 MAX_STATS_IMAGE = 64 * 1024**2
@@ -204,7 +203,7 @@ def _users_reader_files(remote: Remote) -> list[str]:
     ours = []
     if remote.exists(MANIFEST_NAME):
         with contextlib.suppress(ValueError, AttributeError, TypeError):
-            ours = list(json.loads(remote.cat(MANIFEST_NAME)).get("outputs", {}).get("readers", []))
+            ours = list(parse_json(remote.cat(MANIFEST_NAME)).get("outputs", {}).get("readers", []))
     return [n for n in readers.names(("train", "val")) if n not in ours and remote.exists(n)]
 
 

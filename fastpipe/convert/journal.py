@@ -14,6 +14,7 @@ from pathlib import Path
 
 from fastpipe.dataset.manifest import ShardInfo, Stats
 from fastpipe.dataset.shardformat import sha256_file
+from fastpipe.util import parse_json
 
 
 @dataclass
@@ -47,7 +48,7 @@ def _entries(lines: list[str]):
     """(line, entry) for a journal's lines after the fingerprint; a line cut short by a kill ends them."""
     for line in lines[1:]:
         try:
-            yield line, json.loads(line)
+            yield line, parse_json(line)
         except ValueError:
             return
 
@@ -69,7 +70,7 @@ class Journal:
     def _read_head(self) -> dict:
         try:
             with open(self.path) as f:
-                head = json.loads(f.readline())
+                head = parse_json(f.readline())
         except (OSError, ValueError):
             return {}
         return head if isinstance(head, dict) else {}

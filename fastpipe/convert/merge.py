@@ -11,7 +11,6 @@ rejected.jsonl, the previews and dataset.json (last), through publish.py's stagi
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from pathlib import Path
@@ -21,7 +20,7 @@ from fastpipe.convert.publish import staging_folder, upload
 from fastpipe.dataset.manifest import MANIFEST_NAME, Manifest, ManifestError, SplitInfo, Stats, from_dict, load, save
 from fastpipe.store.remote import Remote, is_url
 from fastpipe.store.urls import local_path
-from fastpipe.util import FolderLock, write_jsonl_atomic
+from fastpipe.util import FolderLock, parse_json, read_json, write_jsonl_atomic
 
 PART_RE = re.compile(r"dataset\.part-(\d{3})-of-(\d{3})\.json$")
 
@@ -36,7 +35,7 @@ def _parts(out: Path, where: str | None = None) -> list[Manifest]:
     missing = sorted(set(range(n)) - {i for i, _, _ in found})
     if missing or any(k != n for _, k, _ in found):
         raise ManifestError(f"{where}: parts {missing} of {n} are missing or unfinished; run them, then merge again")
-    manifests = [from_dict(json.loads(p.read_text()), out) for _, _, p in found]
+    manifests = [from_dict(read_json(p), out) for _, _, p in found]
     base = _shared(manifests[0].settings)
     for m in manifests[1:]:
         if _shared(m.settings) != base or m.classes != manifests[0].classes:
@@ -77,7 +76,7 @@ def merge_in(out: Path, read, where: str | None = None) -> Manifest:
     settings["fingerprint"] = "merged:" + ",".join(m.settings["fingerprint"][:16] for m in parts)
     manifest = Manifest(parts[0].classes, splits, stats, settings, parts[0].components, out,
                         {"rejected": "rejected.jsonl"}, parts[0].task)
-    rejected = [json.loads(line) for p in sorted(out.glob("rejected.part-*-of-*.jsonl"))
+    rejected = [parse_json(line) for p in sorted(out.glob("rejected.part-*-of-*.jsonl"))
                 for line in p.read_text().splitlines()]
     write_jsonl_atomic(out / "rejected.jsonl", sorted(rejected, key=lambda r: (r["path"], r["reason"])))
     seed = settings.get("seed", 0)

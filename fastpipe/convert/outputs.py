@@ -12,12 +12,12 @@ Data safety rules (the converter, `index` and `merge` share them):
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 from fastpipe.dataset.manifest import ManifestError, from_dict
 from fastpipe.errors import ConfigError
+from fastpipe.util import parse_json, read_json
 
 
 def shard_pattern(prefix: str) -> re.Pattern:
@@ -30,7 +30,7 @@ def read_manifest(path: Path):
     if not path.exists():
         return None, None
     try:
-        return from_dict(json.loads(path.read_text(encoding="utf-8")), path.parent), None
+        return from_dict(read_json(path), path.parent), None
     except (OSError, ValueError, ManifestError) as e:
         return None, f"{path.name} is unreadable ({type(e).__name__})"
 
@@ -55,7 +55,7 @@ def journal_files(journal_path: Path) -> set[Path]:
         return files
     for line in journal_path.read_text().splitlines()[1:]:
         try:
-            shard = json.loads(line).get("shard")
+            shard = parse_json(line).get("shard")
         except ValueError:
             break
         if shard:

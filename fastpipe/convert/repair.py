@@ -10,7 +10,6 @@ do not change there, nor their sha256; a node cache holding one under its old in
 
 from __future__ import annotations
 
-import json
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -25,7 +24,7 @@ from fastpipe.dataset.shardformat import (
     sha256_file,
     write_index,
 )
-from fastpipe.util import FolderLock, write_jsonl_atomic
+from fastpipe.util import FolderLock, parse_json, write_jsonl_atomic
 
 REPAIRED = "repaired.jsonl"
 
@@ -102,7 +101,7 @@ def _recount(m: Manifest, shards, entries, shard_file) -> list[int]:
 
 
 def _previous_repairs(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return [parse_json(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 __all__ = ["REPAIRED", "repair_indexes"]

@@ -6,7 +6,6 @@ conversion and read from here; nothing re-scans the shards at training time.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -15,7 +14,7 @@ from pathlib import Path
 
 from fastpipe.errors import ConfigError, DataError
 from fastpipe.store.urls import check_relative
-from fastpipe.util import write_json_atomic
+from fastpipe.util import read_json, write_json_atomic
 
 FORMAT = "fastpipe-dataset"
 VERSION = 1
@@ -344,7 +343,7 @@ def load(folder: str | os.PathLike, storage_options: dict | None = None, cache_d
         raise ManifestError(f"{path} not found: run `fastpipe shard SRC {folder}` first, "
                             f"or `fastpipe index SHARDS...` for shards written by another tool")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        data = read_json(path)
+    except (OSError, ValueError) as e:  # ValueError: JSON, UTF-8, size (DataError), nesting
         raise ManifestError(f"{path} is damaged ({type(e).__name__}: {e}); re-run the conversion") from e
     return from_dict(data, path.parent)

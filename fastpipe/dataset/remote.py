@@ -3,7 +3,6 @@ and attached to this node's shard cache (store.cache)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,6 +10,7 @@ from fastpipe.dataset.manifest import MANIFEST_NAME, Manifest, ManifestError, fr
 from fastpipe.store import cachefiles
 from fastpipe.store.cache import default_cache_dir
 from fastpipe.store.remote import Remote
+from fastpipe.util import parse_json
 
 
 def load_remote(url: str, storage_options: dict | None, cache_dir, cache_limit) -> Manifest:
@@ -26,8 +26,8 @@ def load_remote(url: str, storage_options: dict | None, cache_dir, cache_limit) 
     remote.cache_dir = cachefiles.private_folder(Path(cache_dir) if cache_dir else default_cache_dir())
     data = remote.cat(MANIFEST_NAME)  # a missing one: RemoteError naming the URL
     try:
-        d = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        d = parse_json(data)
+    except ValueError as e:  # JSON, UTF-8, nesting
         raise ManifestError(f"{url}/{MANIFEST_NAME} is damaged ({type(e).__name__}: {e}); re-run the conversion"
                             ) from e
     return replace(from_dict(d, remote.cache_dir, url), remote=remote)

@@ -6,7 +6,7 @@ import math
 import os
 import sys
 
-from fastpipe.util import usable_cores
+from fastpipe.util import read_json, usable_cores
 
 # Worker threads by default up to this many workers (where the decoder releases the GIL). Each image still holds
 # the GIL for about 8 % of its time (shard reading, draws, the decoders' Python wrappers, batch assembly:
@@ -79,7 +79,7 @@ def tuned_workers(manifest, cfg, backend: str, seconds: float = 2.0) -> tuple[in
                              backend, cfg.image_size, cfg.batch_size, cfg.cpu_decoder, "threads", *modes)))
     path = _cache_path()
     try:
-        cache = json.loads(path.read_text())
+        cache = read_json(path)
     except (OSError, ValueError):
         cache = {}
     log = logging.getLogger("fastpipe")

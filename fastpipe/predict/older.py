@@ -4,7 +4,6 @@ where the run read it."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,12 +12,13 @@ from fastpipe.loaders.config import LoaderConfig
 from fastpipe.train import modelcard
 from fastpipe.train.config import image_size_for_epoch
 from fastpipe.train.runs import RunError
+from fastpipe.util import read_json
 
 
 def card_of_older_run(run_dir: Path) -> dict:
     config_file = Path(run_dir) / "config.json"
     try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
+        config = read_json(config_file)
         train, data, norm = config["train"], config["data"], config["normalization"]
         size = image_size_for_epoch(SimpleNamespace(**{"progressive": None, **train}), train["epochs"] - 1)
         root = data["root"]

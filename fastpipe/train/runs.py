@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from fastpipe.errors import ConfigError, DataError
-from fastpipe.util import atomic_write_text, write_json_atomic
+from fastpipe.util import atomic_write_text, parse_json, read_json, write_json_atomic
 
 
 class RunError(DataError):
@@ -73,7 +73,7 @@ class Run:
         out = []
         for n, line in enumerate(lines, start=1):
             try:
-                out.append(json.loads(line))
+                out.append(parse_json(line))
             except ValueError:
                 if n == len(lines):
                     break
@@ -171,7 +171,7 @@ def default_run_dir(model: str) -> Path:
 def _read_json(path: Path) -> dict:
     """A JSON object from a run folder, or {} when missing or damaged (a listing must not stop on one bad run)."""
     try:
-        data = json.loads(path.read_text())
+        data = read_json(path)
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
