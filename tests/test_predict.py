@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import importlib.util
 import io
 import json
+import re
 import shutil
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -244,7 +247,7 @@ def test_last_weights_and_a_run_without_best_pt(trained, tmp_path, capsys):
     assert "no best.pt" in capsys.readouterr().err and len(read_rows(tmp_path / "o.csv")) == 14
 
 
-def test_a_multilabel_run_predicts_label_sets_at_its_own_thresholds(tmp_path):
+def test_a_multilabel_run_predicts_label_sets_at_its_own_thresholds(tmp_path, capsys):
     from test_multilabel import make_list
 
     from fastpipe.convert.driver import ShardConfig, shard
@@ -281,10 +284,22 @@ def test_a_multilabel_run_predicts_label_sets_at_its_own_thresholds(tmp_path):
     got = {r["path"]: r["scores"] for r in rows}
     assert len(want) > 10 and set(want) <= set(got) and max(abs(got[p][c] - s) for p, ss in want.items()
                                    for c, s in zip(card["classes"], ss)) < 1e-5
+    # last.pt takes its epoch's thresholds from metrics.jsonl: edited to nonsense, predict says it uses 0.5
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    for r in records:
+        if "per_class_threshold" in r:
+            r["per_class_threshold"] = [float("nan"), 7.0, "x"]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    capsys.readouterr()
+    assert main(["predict", str(run), str(listed), "--weights", "last", "--out", str(tmp_path / "l.jsonl")]) == 0
+    err = capsys.readouterr().err
+    assert "metrics.jsonl: its model record's thresholds is" in err and "using 0.5 for every class" in err, err
 
 
 def _edited(run: Path, tmp_path: Path, change) -> Path:
     copy = tmp_path / "edited"
+    tmp_path.mkdir(parents=True, exist_ok=True)
     shutil.copytree(run, copy)
     ck = torch.load(copy / "best.pt", weights_only=True)
     change(ck)
@@ -426,3 +441,196 @@ def test_dali_batches_give_what_a_dali_validation_pass_gives(trained, tmp_path):
     want = validation_pass(shards, run, "dali")
     assert set(rows) == set(want)
     assert max(abs(rows[k][c] - p) for k, ps in want.items() for c, p in zip(classes, ps)) < 1e-5
+
+
+# -- hostile models, records and arguments -------------------------------------------------------------------------
+def _rezipped(src: Path, dst: Path, change=lambda name, data: data, add=(), compress=zipfile.ZIP_STORED) -> Path:
+    """A copy of an archive with entries changed (change returns None to drop one), entries added, or compressed."""
+    with zipfile.ZipFile(src) as z, zipfile.ZipFile(dst, "w") as w:
+        for info in z.infolist():
+            data = change(info.filename, z.read(info))
+            if data is not None:
+                w.writestr(info.filename, data, compress_type=compress)
+        for name, data in add:
+            w.writestr(name, data, compress_type=compress)
+    return dst
+
+
+def _sidecar_for(model: Path, meta: dict, **inference) -> None:
+    """The export record beside `model`, naming its sha256 (whoever crafts a file writes both)."""
+    meta = json.loads(json.dumps(meta))
+    meta["export"]["sha256"] = hashlib.sha256(model.read_bytes()).hexdigest()
+    meta["inference"].update(inference)
+    Path(f"{model}.json").write_text(json.dumps(meta))
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    """(m.pt2, its record, m.onnx or None) of the trained run."""
+    out = tmp_path_factory.mktemp("exported")
+    assert main(["export", str(trained[2]), str(out / "m.pt2")]) == 0
+    onnx = None
+    if importlib.util.find_spec("onnxruntime"):
+        assert main(["export", str(trained[2]), str(out / "m.onnx")]) == 0
+        onnx = out / "m.onnx"
+    return out / "m.pt2", json.loads((out / "m.pt2.json").read_text()), onnx
+
+
+def _graph_edit(edit):
+    def change(name, data):
+        if "/models/" not in name:
+            return data
+        doc = json.loads(data)
+        edit(doc)
+        return json.dumps(doc).encode()
+    return change
+
+
+@pytest.mark.parametrize("case", ["expression", "target", "guards", "case-variant", "extra", "compressed"])
+def test_a_pt2_crafted_to_run_code_or_inflate_is_refused_before_torch_reads_it(trained, exported, tmp_path, capsys,
+                                                                               case):
+    """torch.export evaluates shape expressions with sympy, resolves node targets from the torch module, runs guards
+    as Python, finds entries ignoring case and reads extra/ entries whole: a crafted file is one line, exit 2."""
+    src, marker = trained[0], tmp_path / "ran"
+    pt2, meta, _ = exported
+    root = zipfile.ZipFile(pt2).namelist()[0].split("/")[0]
+    evil, kwargs = tmp_path / "evil.pt2", {}
+    if case == "expression":
+        code = f"N.__globals__['__builtins__']['__import__']('pathlib').Path({str(marker)!r}).write_text('ran') and "
+        kwargs["change"] = lambda name, data: data.replace(b'"expr_str": "Symbol(', b'"expr_str": "' +
+                                                           code.encode().replace(b"'", b"\\u0027") + b"Symbol(")
+    elif case == "target":
+        def first_target(doc):
+            doc["graph_module"]["graph"]["nodes"][1]["target"] = "torch.os.system"
+        kwargs["change"] = _graph_edit(first_target)
+    elif case == "guards":
+        kwargs["change"] = _graph_edit(lambda doc: doc.update(guards_code=[f"open({str(marker)!r}, 'w')"]))
+    elif case == "case-variant":
+        config = {"config": {"net.fc.bias": {"path_name": "evil_0", "is_param": True, "use_pickle": True}}}
+        kwargs["add"] = [(f"{root}/Data/weights/model_weights_config.json", json.dumps(config)),
+                         (f"{root}/data/weights/evil_0", b"\x80\x04K\x01.")]
+    elif case == "extra":
+        kwargs.update(add=[(f"{root}/extra/notes", b"\0" * (64 << 20))], compress=zipfile.ZIP_DEFLATED)
+    else:
+        kwargs["compress"] = zipfile.ZIP_DEFLATED
+    _sidecar_for(_rezipped(pt2, evil, **kwargs), meta)
+    assert main(["predict", str(evil), str(src / "red"), "--out", str(tmp_path / "e.csv")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and str(evil) in err, err
+    assert "use its .onnx export" in err or "torch writes its files uncompressed" in err, err
+    assert not marker.exists() and not (tmp_path / "e.csv").exists()
+
+
+@pytest.mark.parametrize("kind", ["pt2", "onnx"])
+@pytest.mark.parametrize("case", ["fewer-classes", "more-classes", "other-size"])
+def test_an_exported_graph_that_does_not_fit_its_record_is_refused_before_the_first_photo(trained, exported, tmp_path,
+                                                                                           capsys, kind, case):
+    src = trained[0]
+    pt2, meta, onnx = exported
+    model = pt2 if kind == "pt2" else onnx
+    if model is None:
+        pytest.skip("onnxruntime is not installed")
+    copy = tmp_path / model.name
+    shutil.copy(model, copy)
+    classes = meta["inference"]["classes"]
+    change = {"fewer-classes": {"classes": classes[:2]}, "more-classes": {"classes": [*classes, "x", "y"]},
+              "other-size": {"image_size": 16}}[case]
+    _sidecar_for(copy, json.loads(Path(f"{model}.json").read_text()), **change)
+    assert main(["predict", str(copy), str(src / "red"), "--out", str(tmp_path / "o.csv")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert ("does not take the input its record describes" if case == "other-size" else "classes") in err, err
+
+
+def test_non_finite_weights_are_refused_and_a_non_finite_output_is_never_an_ok_row(trained, tmp_path, capsys):
+    from fastpipe import Predictor
+    from fastpipe.errors import DataError
+
+    src, _, run = trained
+    nan = _edited(run, tmp_path / "nan", lambda ck: ck["model"]["fc.weight"].fill_(float("nan")))
+    assert main(["predict", str(nan), str(src / "red"), "--out", str(tmp_path / "n.csv")]) == 2
+    assert "its weights hold NaN or infinity (fc.weight)" in capsys.readouterr().err
+    # finite weights whose outputs overflow: the rows say so, the photos count as not predicted
+    huge = _edited(run, tmp_path / "huge", lambda ck: ck["model"]["fc.weight"].fill_(3e38))
+    assert main(["predict", str(huge), str(src / "red"), "--out", str(tmp_path / "h.csv")]) == 0
+    rows = read_rows(tmp_path / "h.csv")
+    assert rows and all(r["status"] == "non-finite" and r["predicted"] == "" for r in rows)
+    assert "0 predicted, 14 could not be used" in capsys.readouterr().out
+    with pytest.raises(DataError, match=r"image 0 .*NaN or infinite"):
+        Predictor(huge, device="cpu").predict([str(next((src / "red").iterdir()))])
+
+
+def test_a_card_naming_a_far_larger_model_is_refused_without_building_it(trained, tmp_path, capsys):
+    """A resnet18's weights under a card naming regnet_y_128gf: refused on the meta device (the real network would
+    take gigabytes and many seconds to build before load_state_dict said no)."""
+    src, _, run = trained
+    big = _edited(run, tmp_path, lambda ck: ck["inference"].update(model="regnet_y_128gf"))
+    assert main(["predict", str(big), str(src / "red"), "--out", str(tmp_path / "r.csv")]) == 2
+    assert "do not fit a regnet_y_128gf of 3 classes (" in capsys.readouterr().err
+
+
+def test_a_checkpoint_whose_entries_inflate_is_refused_before_loading(trained, tmp_path, capsys):
+    src, _, run = trained
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    _rezipped(run / "best.pt", copy / "best.pt", compress=zipfile.ZIP_DEFLATED)
+    assert main(["predict", str(copy), str(src / "red"), "--out", str(tmp_path / "c.csv")]) == 2
+    err = capsys.readouterr().err
+    assert "torch writes its files uncompressed" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("where", ["sidecar", "older-config"])
+def test_json_nested_too_deep_is_one_line(trained, exported, tmp_path, capsys, where):
+    src, _, run = trained
+    deep = "[" * 100_000 + "]" * 100_000
+    if where == "sidecar":
+        model = tmp_path / "m.pt2"
+        shutil.copy(exported[0], model)
+        (tmp_path / "m.pt2.json").write_text(deep)
+    else:  # a run from before model cards: its config.json says how photos were prepared
+        model = _edited(run, tmp_path, lambda ck: ck.pop("inference"))
+        (model / "config.json").write_text(deep)
+    assert main(["predict", str(model), str(src / "red"), "--out", str(tmp_path / "d.csv")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "nested more than 100 levels deep" in err, err
+
+
+@pytest.mark.parametrize("arg,value", [("top_k", -1), ("top_k", 0), ("top_k", 2.5), ("top_k", float("nan")),
+                                       ("top_k", True), ("batch_size", -1), ("batch_size", 0), ("batch_size", 1e9)])
+def test_the_python_apis_arguments_are_checked_as_the_clis(trained, arg, value):
+    from fastpipe import Predictor
+    from fastpipe.errors import ConfigError
+
+    src, _, run = trained
+    with pytest.raises(ConfigError, match=re.escape(f"{arg} {value!r}: must be")):
+        Predictor(run, device="cpu").predict([str(next((src / "red").iterdir()))], **{arg: value})
+
+
+def test_thin_photos_and_every_pillow_mode_are_predicted(trained, tmp_path):
+    """1x4000 and 4000x1 PNGs (the converter takes them) and PIL images in modes PNG cannot hold."""
+    from fastpipe import Predictor
+
+    src, _, run = trained
+    p = Predictor(run, device="cpu")
+    for size in ((1, 4000), (4000, 1)):
+        Image.new("RGB", size, COLORS["red"]).save(tmp_path / f"{size[0]}x{size[1]}.png")
+    assert main(["predict", str(run), str(tmp_path / "1x4000.png"), str(tmp_path / "4000x1.png"),
+                 "--out", str(tmp_path / "t.csv")]) == 0
+    assert [r["status"] for r in read_rows(tmp_path / "t.csv")] == ["ok", "ok"]
+    assert len(p.predict([str(tmp_path / "1x4000.png"), str(tmp_path / "4000x1.png")])) == 2
+    rgb = Image.open(next((src / "red").glob("*.jpeg"))).convert("RGB")
+    want = p.predict(rgb).scores
+    for mode in ("HSV", "La", "RGBa", "I", "CMYK"):
+        got = p.predict(rgb.convert(mode) if mode != "I" else rgb.convert("L").convert("I"))
+        assert got.label in COLORS
+        if mode in ("HSV", "CMYK"):  # converted back to RGB by the converter's rule: the same scores within rounding
+            assert max(abs(got.scores[c] - want[c]) for c in want) < 0.05
+
+
+def test_an_export_never_writes_through_a_link_beside_its_file(trained, tmp_path):
+    other = tmp_path / "other.txt"
+    other.write_text("keep me")
+    (tmp_path / ".m.tmp.pt2").symlink_to(other)
+    assert main(["export", str(trained[2]), str(tmp_path / "m.pt2")]) == 0
+    assert other.read_text() == "keep me" and zipfile.is_zipfile(tmp_path / "m.pt2")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".m.tmp.pt2", "m.pt2", "m.pt2.json", "other.txt"]

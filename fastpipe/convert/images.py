@@ -29,7 +29,7 @@ REASONS = (
     "no-class",  # a file not inside a class folder
     "other-split",  # beside SRC/train and SRC/val (e.g. SRC/test): only those two are converted
     "missing",  # a list row names a file that does not exist
-    "outside-root",  # a list row's path escapes the list's folder
+    "outside-root",  # a list row's path escapes the list's folder, or its URL redirects to another origin
     "bad-row",  # a list row without a path and a label
     "bad-label",  # a list row whose label is not one (a 0/1 cell that is 2 or 'yes', a line break, a whole document)
     "duplicate",  # same bytes as another file of the same class: one copy is kept
@@ -84,7 +84,7 @@ def to_rgb(im: Image.Image) -> Image.Image:
         scale = 255.0 / 65535.0 if a.max(initial=0) > 255 else 1.0
         return Image.fromarray(np.clip(a * scale + 0.5, 0, 255).astype(np.uint8), "L").convert("RGB")
     if im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info:
-        rgba = im.convert("RGBA")
+        rgba = (im.convert("LA") if im.mode == "La" else im).convert("RGBA")  # Pillow has no La -> RGBA
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
     return im.convert("RGB")

@@ -78,7 +78,8 @@ def center_crop_box(w: int, h: int, size: int, crop: float) -> tuple[int, int, i
     """Box that, resized to size x size, equals resize(short side = size / crop) + centre crop(size)."""
     side = min(w, h) * crop
     x0, y0 = (w - side) / 2, (h - side) / 2
-    return round(x0), round(y0), round(x0 + side), round(y0 + side)
+    x0, y0, x1, y1 = round(x0), round(y0), round(x0 + side), round(y0 + side)
+    return x0, y0, max(x1, x0 + 1), max(y1, y0 + 1)  # a photo 1 or 2 px thin rounds to an empty box otherwise
 
 
 def _crop_resize(im: Image.Image, box, size: int) -> np.ndarray:

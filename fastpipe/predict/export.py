@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -52,19 +53,32 @@ def export(cfg: ExportConfig, log=print) -> Path:
     size = card["image_size"]
     example = torch.randint(0, 256, (2, 3, size, size), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     shapes = {"images": {0: torch.export.Dim("batch", min=1, max=MAX_BATCH)}}
-    tmp = out.with_name(f".{out.stem}.tmp{out.suffix}")  # torch.export wants its own extension
-    try:
+    # Written in a folder of its own, made here with an unpredictable name (no link planted beside OUT is followed),
+    # then renamed into place; torch.export wants its own extension.
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as folder:
+        tmp = Path(folder) / f"model{out.suffix.lower()}"
         if out.suffix.lower() == ".onnx":
             _onnx(model, example, shapes, tmp)
         else:
             torch.export.save(torch.export.export(model, (example,), dynamic_shapes=shapes), str(tmp))
+            _checkable(tmp)
         os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
     write_json_atomic(sidecar(out), _record(card, out, source))
     log(f"exported {source} to {out} (input: uint8 RGB NCHW, {size}x{size}; output: probabilities of "
         f"{len(card['classes'])} classes) and {sidecar(out).name}")
     return out
+
+
+def _checkable(tmp: Path) -> None:
+    """The .pt2 passes the check `predict` makes before loading one (every export fastpipe writes can be used)."""
+    from fastpipe.predict.pt2 import check_archive
+    from fastpipe.train.runs import RunError
+
+    try:
+        check_archive(tmp)
+    except RunError as e:
+        raise DataError(f"this model's .pt2 holds what `fastpipe predict` refuses to load from a file ("
+                        f"{str(e).split(': ', 1)[-1][:200]}): export it to .onnx instead") from None
 
 
 def _onnx(model: nn.Module, example: torch.Tensor, shapes: dict, tmp: Path) -> None:

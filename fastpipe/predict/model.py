@@ -10,7 +10,7 @@ model card field is checked (modelcard.py), an exported file must match the hash
 from __future__ import annotations
 
 import hashlib
-import json
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,8 +22,10 @@ from fastpipe.train import modelcard
 from fastpipe.train.loop import amp_dtype
 from fastpipe.train.models import build_model, plain_names
 from fastpipe.train.runs import Run, RunError
+from fastpipe.util import read_json
 
 EXPORT_FORMAT, EXPORT_VERSION = "fastpipe-export", 1
+NON_FINITE = "the model gave NaN or infinite scores for this photo: not a prediction"
 
 
 @dataclass
@@ -94,8 +96,14 @@ def _weights_file(run: Run, weights: str) -> tuple[Path, list[str]]:
 
 def load_checkpoint(file: Path) -> dict:
     """A checkpoint's contents, loaded safely, or one error naming the file."""
+    from fastpipe.predict.pt2 import check_stored
+
     try:
+        with zipfile.ZipFile(file) as z:  # torch.save's own layout: entries stored, none inflating past the file
+            check_stored(z.infolist(), file)
         state = torch.load(file, map_location="cpu", weights_only=True)
+    except RunError:
+        raise
     except Exception as e:  # torch raises many types for damage (pickle, zip, EOF): all mean the same here
         raise RunError(f"{file} cannot be loaded ({type(e).__name__}: {str(e)[:200]}): a truncated, damaged or "
                        f"foreign checkpoint") from None
@@ -109,15 +117,17 @@ def trained_network(path: str | Path, weights: str = "best") -> tuple[torch.nn.M
     path = Path(path)
     if path.is_dir():
         file, notes = _weights_file(Run(path), weights)
-        return (*_checkpoint(file, path), str(file), notes)
-    if path.suffix.lower() != ".pt" or not path.is_file():
+    elif path.suffix.lower() != ".pt" or not path.is_file():
         raise ConfigError(f"{path}: give a run folder (runs/NAME) or one of its checkpoints (best.pt, last.pt)")
-    return (*_checkpoint(path, path.parent), str(path), [])
+    else:
+        file, notes = path, []
+    net, card, more = _checkpoint(file, path if path.is_dir() else path.parent)
+    return net, card, str(file), notes + more
 
 
-def _checkpoint(file: Path, run_dir: Path) -> tuple[torch.nn.Module, dict]:
+def _checkpoint(file: Path, run_dir: Path) -> tuple[torch.nn.Module, dict, list[str]]:
     state = load_checkpoint(file)
-    card = state.get("inference")
+    card, notes = state.get("inference"), []
     if card is None:
         from fastpipe.predict.older import card_of_older_run
 
@@ -127,9 +137,10 @@ def _checkpoint(file: Path, run_dir: Path) -> tuple[torch.nn.Module, dict]:
         try:  # last.pt: the thresholds of its epoch's validation pass, as hostile as the rest of the card
             card = modelcard.check({**card, "thresholds": _last_thresholds(Run(run_dir), state.get("epoch"))},
                                    f"{run_dir}/metrics.jsonl")
-        except (modelcard.CardError, RunError):
+        except (modelcard.CardError, RunError) as e:
             card = {**card, "thresholds": None}
-    return _network(card, state["model"], file).eval(), card
+            notes.append(f"{' '.join(str(e).split())[:300]}; using 0.5 for every class")
+    return _network(card, state["model"], file).eval(), card, notes
 
 
 def _from_weights(net: torch.nn.Module, card: dict, source: str, notes: list[str], device: torch.device) -> Model:
@@ -150,17 +161,39 @@ def _from_weights(net: torch.nn.Module, card: dict, source: str, notes: list[str
 
 
 def _network(card: dict, weights: dict, file: Path) -> torch.nn.Module:
-    """The architecture the card names, with these weights; a checkpoint that does not fit is one error."""
+    """The architecture the card names, with these weights; a checkpoint that does not fit is one error, found on
+    the meta device (no memory) before the network is built: a card naming a far larger model costs nothing."""
     try:
+        with torch.device("meta"):
+            _fit(build_model(card["model"], len(card["classes"]), card["image_size"]), weights, card, file)
         net = build_model(card["model"], len(card["classes"]), card["image_size"])
+        net.load_state_dict(plain_names(weights, net))
+    except RunError:
+        raise
     except ConfigError as e:
         raise RunError(f"{file}: {e}") from None
-    try:
-        net.load_state_dict(plain_names(weights, net))
     except (RuntimeError, KeyError, TypeError, ValueError) as e:
-        raise RunError(f"{file}: its weights do not fit a {card['model']} of {len(card['classes'])} classes "
-                       f"({' '.join(str(e).split())[:200]}): an edited or another model's checkpoint") from None
+        _misfit(card, file, " ".join(str(e).split())[:200])
     return net
+
+
+def _fit(skeleton: torch.nn.Module, weights: dict, card: dict, file: Path) -> None:
+    """The weights have the skeleton's names and shapes, and are finite (a diverged run's give NaN for every photo)."""
+    own, given = skeleton.state_dict(), plain_names(weights, skeleton)
+    if set(own) != set(given):
+        _misfit(card, file, f"{len(set(own) ^ set(given))} names differ, e.g. {sorted(set(own) ^ set(given))[0]}")
+    for name, t in given.items():
+        if not isinstance(t, torch.Tensor) or t.shape != own[name].shape:
+            _misfit(card, file, f"{name} is {getattr(t, 'shape', type(t).__name__)}, expected {own[name].shape}")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise RunError(f"{file}: its weights hold NaN or infinity ({name}): the training diverged or the file was "
+                           f"edited; use another checkpoint (--weights best or last), or train again with a lower "
+                           f"learning rate")
+
+
+def _misfit(card: dict, file: Path, why: str):
+    raise RunError(f"{file}: its weights do not fit a {card['model']} of {len(card['classes'])} classes ({why}): an "
+                   f"edited or another model's checkpoint")
 
 
 def _last_thresholds(run: Run, epoch) -> list[float] | None:
@@ -188,12 +221,13 @@ def read_sidecar(path: Path) -> dict:
     """The exported model's card, from the JSON beside it, checked against the file it describes."""
     meta_file = sidecar(path)
     try:
-        meta = json.loads(meta_file.read_text(encoding="utf-8"))
+        meta = read_json(meta_file)
     except FileNotFoundError:
         raise ConfigError(f"{path}: {meta_file.name} is missing beside it (what `fastpipe export` writes with the "
                           f"model: classes, image size, preparation); copy it along with the model") from None
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise RunError(f"{meta_file} is damaged ({type(e).__name__}): export the model again") from None
+    except (OSError, ValueError) as e:  # ValueError: JSON, UTF-8, nesting, size (DataError)
+        raise RunError(f"{meta_file} is damaged ({type(e).__name__}: {str(e)[:100]}): export the model again") \
+            from None
     export = meta.get("export") if isinstance(meta, dict) else None
     if not isinstance(export, dict) or export.get("format") != EXPORT_FORMAT:
         raise RunError(f"{meta_file}: not a fastpipe export record; export the model again")
@@ -224,7 +258,7 @@ def _onnx(path: Path, device: torch.device) -> Model:
     def run(x):
         return torch.from_numpy(session.run(None, {name: x.contiguous().cpu().numpy()})[0]).float()
 
-    return Model(card, device, str(path), run)
+    return _probed(Model(card, device, str(path), run), path)
 
 
 def _exported_program(path: Path, device: torch.device) -> Model:
@@ -241,4 +275,19 @@ def _exported_program(path: Path, device: torch.device) -> Model:
     def run(x):
         return net(x.contiguous()).float().cpu()
 
-    return Model(card, device, str(path), run)
+    return _probed(Model(card, device, str(path), run), path)
+
+
+def _probed(model: Model, path: Path) -> Model:
+    """An exported graph, run once on one black photo: it takes the input its record describes and gives one column
+    per class, or it is refused before the first photo (columns mapped to the wrong classes, or cut, otherwise)."""
+    size, k = model.card["image_size"], len(model.classes)
+    try:
+        out = model.scores(torch.zeros(1, 3, size, size, dtype=torch.uint8, device=model.device))
+    except Exception as e:  # each runtime has its own error types: all mean the graph takes other input
+        raise RunError(f"{path} does not take the input its record describes (uint8 RGB, 1x3x{size}x{size}): "
+                       f"{type(e).__name__}: {' '.join(str(e).split())[:150]}; export the model again") from None
+    if tuple(out.shape) != (1, k):
+        raise RunError(f"{path} gives {tuple(out.shape)} for one photo where its record names {k} classes, (1, {k}): "
+                       f"the model and {sidecar(path).name} do not belong together; export the model again")
+    return model

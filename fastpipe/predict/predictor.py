@@ -25,7 +25,8 @@ from fastpipe.convert import images
 from fastpipe.errors import DataError
 from fastpipe.loaders import cpu_ops
 from fastpipe.loaders.base import DeviceStep
-from fastpipe.predict.model import load_model
+from fastpipe.options import check_number
+from fastpipe.predict.model import NON_FINITE, load_model
 from fastpipe.predict.photos import prepare, settings_of
 from fastpipe.util import read_regular
 
@@ -66,11 +67,15 @@ class Predictor:
 
     def predict(self, items, top_k: int = 3, batch_size: int = 64) -> list[Prediction]:
         """Paths, PIL images or encoded bytes (a single one, or a list) → one Prediction each."""
+        check_number("top_k", top_k, int, low=1, high=MAX_TOP_K)
+        check_number("batch_size", batch_size, int, low=1, high=MAX_BATCH)
         single = isinstance(items, (str, bytes, os.PathLike, Image.Image))
         items = [items] if single else list(items)
         out = []
         for start in range(0, len(items), batch_size):
             scores = self.model.scores(self.inputs(items[start : start + batch_size]))
+            for i in (~torch.isfinite(scores).all(1)).nonzero().flatten().tolist():
+                raise DataError(f"image {start + i} ({_name(items[start + i])}): {NON_FINITE}")
             out += [self._one(s, top_k) for s in scores.tolist()]
         return out[0] if single else out
 
@@ -83,7 +88,8 @@ class Predictor:
         return Prediction(top[0][0], top[0][1], top, named)
 
 
-_PNG_MODES = {"1", "L", "LA", "I", "I;16", "P", "RGB", "RGBA"}
+_PNG_MODES = {"1", "L", "LA", "I;16", "P", "RGB", "RGBA"}  # what PNG holds as it is
+MAX_TOP_K, MAX_BATCH = 1000, 65536  # as `fastpipe predict --top-k / --batch-size` allow
 
 
 def _bytes(item, limit: int) -> bytes:
@@ -95,10 +101,11 @@ def _bytes(item, limit: int) -> bytes:
         except OSError as e:
             raise DataError(f"{item}: cannot be read ({e.strerror or e})") from None
     if isinstance(item, Image.Image):
-        # Lossless, with the EXIF orientation kept. A JPEG's own bytes are converted with DCT scaling: pass the file
-        # or its bytes, not the decoded image, for the pixels validation saw to the last grey level.
+        # Lossless, with the EXIF orientation kept; another mode (CMYK, HSV, I, RGBa...) made RGB first by the
+        # converter's own rule. A JPEG's own bytes are converted with DCT scaling: pass the file or its bytes, not
+        # the decoded image, for the pixels validation saw to the last grey level.
         buf = io.BytesIO()
-        item.save(buf, "PNG" if item.mode in _PNG_MODES else "TIFF", exif=item.getexif())
+        (item if item.mode in _PNG_MODES else images.to_rgb(item)).save(buf, "PNG", exif=item.getexif())
         return buf.getvalue()
     raise DataError(f"cannot predict a {type(item).__name__}: give file paths, PIL images or encoded image bytes")
 

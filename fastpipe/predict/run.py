@@ -26,7 +26,7 @@ from fastpipe.dataset.shardformat import encode_label
 from fastpipe.loaders import cpu_ops, make_loader_from
 from fastpipe.predict import photos
 from fastpipe.predict.config import PredictConfig
-from fastpipe.predict.model import Model, load_model
+from fastpipe.predict.model import NON_FINITE, Model, load_model
 from fastpipe.predict.output import Output, Row
 from fastpipe.util import usable_cores
 
@@ -143,9 +143,12 @@ def _score(manifest: Manifest, model: Model, cfg: PredictConfig, part, prepared,
     loader = make_loader_from(manifest, cfg.loader(model.card, cfg.backend, model.takes_float))
     try:
         for x, _, keys in loader:
-            for key, p in zip(keys, model.scores(x).tolist()):
+            scores = model.scores(x)
+            finite = torch.isfinite(scores).all(1).tolist()
+            for key, p, ok in zip(keys, scores.tolist(), finite):
                 i = int(key.key)
-                rows[i] = Row(part[i].name, part[i].label, p, image=prepared[i])
+                rows[i] = Row(part[i].name, part[i].label, p, image=prepared[i]) if ok else \
+                    Row(part[i].name, part[i].label, None, "non-finite", NON_FINITE)
         return list(loader.stats.skipped_keys)
     finally:
         loader.close()
