@@ -263,25 +263,58 @@ def epoch_keys(loader) -> list[str]:
     return [f"{s.shard}/{s.key}" for _, _, keys in loader for s in keys]
 
 
-@pytest.mark.parametrize("what", ["photos.csv", "redir.jpg"])
-def test_a_list_or_a_photo_redirected_to_another_host_is_refused(tmp_path, what):
-    """An http(s) list, or a photo it names, answered with a redirect to another host: the other host got the
-    requests and its image was written as cat/redir.jpg. The conversion stops naming both URLs; nothing of the
-    other host's is asked for or written."""
-    from fastpipe.convert.driver import ShardConfig, shard
-
+def _list_with_a_redirected_row(tmp_path) -> Path:
+    """red and green photos, cat/redir.jpg (redirected by the tests' server) and big/big.jpg (over 20 KB), listed."""
     src = make_folder(tmp_path / "photos", {"red": 3, "green": 3})
     (src / "cat").mkdir()
     (src / "cat" / "redir.jpg").write_bytes(photo(COLORS["blue"], seed=9))
+    (src / "big").mkdir()
+    (src / "big" / "big.jpg").write_bytes(photo(COLORS["blue"], size=(400, 300), seed=10))
     rows = [f"{p.relative_to(src).as_posix()},{p.parent.name}" for p in sorted(src.rglob("*.jpg"))]
     (src / "photos.csv").write_text("\n".join(rows) + "\n")
+    return src
+
+
+def test_a_list_redirected_to_another_host_is_refused(tmp_path):
+    """An http(s) list answered with a redirect to another host: the other host would serve every row. The
+    conversion stops naming both URLs; nothing of the other host's is asked for or written."""
+    from fastpipe.convert.driver import ShardConfig, shard
+
+    src = _list_with_a_redirected_row(tmp_path)
     other = Faults()
-    with (FolderServer(src, other) as elsewhere, FolderServer(src, Faults(redirect=elsewhere, only=what)) as url,
-          pytest.raises(RemoteError) as e):
+    with (FolderServer(src, other) as elsewhere,
+          FolderServer(src, Faults(redirect=elsewhere, only="photos.csv")) as url, pytest.raises(RemoteError) as e):
         shard(ShardConfig(f"{url}/photos.csv", tmp_path / "out", short_side=32, val_fraction=0, workers=1))
-    assert re.search(rf"{url}/\S*{what} redirects to {elsewhere}/\S*{what}, another origin", str(e.value)), str(e.value)
+    assert re.search(rf"{url}/photos.csv redirects to {elsewhere}/photos.csv, another origin", str(e.value)), \
+        str(e.value)
     assert other.answered == []
     assert not list((tmp_path / "out").glob("*.tar"))
+
+
+def test_a_photo_redirected_to_another_host_is_its_rows_rejection_only(tmp_path, capsys):
+    """One row of an http(s) list answered with a redirect to another host stopped the whole conversion, the other
+    rows with it (a too-large one included). Now that row alone is rejected (outside-root), its detail naming both
+    URLs with the credentials of the redirect's target taken out; the other host is asked nothing, and every other
+    row converts or is rejected as it would be."""
+    from fastpipe.cli import main
+
+    src = _list_with_a_redirected_row(tmp_path)
+    other = Faults()
+    with FolderServer(src, other) as elsewhere:
+        moved = elsewhere.replace("http://", f"http://user:{SECRET}@")
+        with FolderServer(src, Faults(redirect=moved, only="redir.jpg")) as url:
+            code = main(["shard", f"{url}/photos.csv", str(tmp_path / "out"), "--workers", "1", "--short-side", "32",
+                         "--val-fraction", "0", "--max-file-size", "20KB"])
+    said = capsys.readouterr()
+    assert code == 0, said.err[-3000:]
+    rows = {r["path"]: r for r in map(json.loads, (tmp_path / "out" / "rejected.jsonl").read_text().splitlines())}
+    assert {p: r["reason"] for p, r in rows.items()} == {"cat/redir.jpg": "outside-root", "big/big.jpg": "too-large"}
+    # the URL asked is named as every detail names its photo, by the row's path in the list's folder
+    assert rows["cat/redir.jpg"]["detail"].startswith(f"cat/redir.jpg redirects to http://***@{elsewhere[7:]}"
+                                                      f"/cat/redir.jpg, another origin (scheme, host, port)")
+    assert other.answered == []
+    assert load(tmp_path / "out").splits["train"].samples == 6
+    assert SECRET not in (tmp_path / "out" / "rejected.jsonl").read_text() + said.out + said.err
 
 
 def test_a_list_over_the_row_limit_is_refused_before_a_photo_is_asked_for(tmp_path, capsys):

@@ -4,8 +4,10 @@ plan's duplicate check) and converting it (images.process).
 A photo is named by its location: a path on this machine, or a URL inside SRC's folder in a store. Either way it is
 read whole and at most --max-file-size bytes: a local file through util.read_regular (regular files only), an object
 through store.remote.Remote (bounded, retried, cut off past the limit). What the photo itself is to blame for becomes a
-`Rejected` (a reason of images.REASONS); what it is not (a store that keeps failing, credentials it refuses) stops
-the conversion, naming the photo: a node without credentials would otherwise reject every photo it was given.
+`Rejected` (a reason of images.REASONS), a redirect of its URL to another origin included (`outside-root`: that
+server's other rows may still be served where they were listed); what it is not (a store that keeps failing,
+credentials it refuses) stops the conversion, naming the photo: a node without credentials would otherwise reject
+every photo it was given.
 
 The workers (local processes, or Ray tasks: onray.py) are set up once by `init_worker`, then `hash_one` and
 `convert_one` take a location each. The plan is made from each photo's sha256 (duplicates, labels, the fingerprint):
@@ -26,7 +28,7 @@ from PIL import Image
 
 from fastpipe.convert import images
 from fastpipe.errors import DataError
-from fastpipe.store.clients import ObjectTooLarge
+from fastpipe.store.clients import CrossOriginRedirect, ObjectTooLarge
 from fastpipe.store.remote import Remote, RemoteError, is_url
 from fastpipe.util import FileTooLarge, NotRegularFile, read_regular
 
@@ -68,6 +70,10 @@ def read(where: str, limit: int, remote: Remote | None = None) -> bytes | images
                                                 f"--max-file-size to convert it")
         if isinstance(e.__cause__, FileNotFoundError):
             return images.Rejected("missing", "no such file")
+        if isinstance(e.__cause__, CrossOriginRedirect):  # the row's photo only: the server moved it, not the list
+            return images.Rejected("outside-root", f"{e.__cause__.asked} redirects to {e.__cause__.target}, another "
+                                                   f"origin (scheme, host, port): not read; list the photo where it "
+                                                   f"is served from, inside the list's folder")
         raise
 
 

@@ -83,7 +83,16 @@ def _http_options(opts: dict, timeout: float) -> None:
 
 
 class CrossOriginRedirect(DataError):
-    """A server's redirect to another origin (scheme, host, port), refused before anything is asked of it."""
+    """A server's redirect to another origin (scheme, host, port), refused before anything is asked of it. `asked`
+    and `target`, redacted: what a caller that refuses one object only (a photo of a list) names."""
+
+    def __init__(self, asked: str, target: str):
+        self.asked, self.target = redact(asked), redact(target)
+        super().__init__(f"{self.asked} redirects to {self.target}, another origin (scheme, host, port): refused, "
+                         f"redirects are followed within one origin only; give the URL the data is served from")
+
+    def __reduce__(self):  # from a worker process, with both URLs (the default would call __init__(message))
+        return type(self), (self.asked, self.target)
 
 
 def origin(url) -> tuple[str, str, int | None]:
@@ -106,9 +115,7 @@ def _same_origin_only():
         except ValueError:
             target, same = location, False
         if not same:
-            raise CrossOriginRedirect(f"{redact(str(params.url))} redirects to {redact(str(target))}, another origin "
-                                      f"(scheme, host, port): refused, redirects are followed within one origin only; "
-                                      f"give the URL the data is served from")
+            raise CrossOriginRedirect(str(params.url), str(target))
 
     trace = aiohttp.TraceConfig()
     trace.on_request_redirect.append(on_redirect)
