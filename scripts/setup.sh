@@ -26,15 +26,44 @@ has_nvidia_driver() {  # the driver's tool on PATH, or its kernel module loaded
   command -v nvidia-smi >/dev/null 2>&1 || [ -e /proc/driver/nvidia ]
 }
 
+masked() {  # a URL as pip prints one: user:****@ (a user alone may be a token: ****@), every query value ****
+  local re='^([^:/?#]+://)(([^/?#]*)@)?([^?#]*)(\?[^#]*)?(#.*)?$' out auth query frag p parts=() shown=()
+  if ! [[ $1 =~ $re ]]; then echo "$1"; return; fi
+  out=${BASH_REMATCH[1]} auth=${BASH_REMATCH[3]} query=${BASH_REMATCH[5]#\?} frag=${BASH_REMATCH[6]}
+  if [ -n "${BASH_REMATCH[2]}" ]; then
+    if [[ $auth == *:* ]]; then out+="${auth%%:*}:****@"; else out+="****@"; fi
+  fi
+  out+=${BASH_REMATCH[4]}
+  if [ -n "${BASH_REMATCH[5]}" ]; then
+    IFS='&' read -ra parts <<< "$query"
+    for p in ${parts[@]+"${parts[@]}"}; do
+      if [[ $p == *=* ]]; then shown+=("${p%%=*}=****"); else shown+=("****"); fi  # a bare ?TOKEN is all secret
+    done
+    out+="?$(IFS='&'; echo "${shown[*]-}")"
+  fi
+  [ -z "$frag" ] || out+="#****"
+  echo "$out"
+}
+
 index_problem() {  # nothing when the index answers within 5 s, else why not (pip would retry it for minutes)
   local limit=()
   command -v timeout >/dev/null && limit=(timeout 8)  # a resolver that hangs is not bound by urllib's timeout
-  ${limit[@]+"${limit[@]}"} "$PY" -c 'import sys, urllib.request
+  # The URL's user:password goes as Basic authentication, as pip sends it: in the host, urllib took the password
+  # for a port. Printed: an error's reason or an OSError's text; other errors' text (InvalidURL, ValueError) may
+  # quote the URL, secrets and all, so only their name.
+  ${limit[@]+"${limit[@]}"} "$PY" -c 'import base64, sys, urllib.parse, urllib.request
+url = urllib.parse.urlsplit(sys.argv[1].rstrip("/") + "/")
+auth, _, host = url.netloc.rpartition("@")
+request = urllib.request.Request(url._replace(netloc=host).geturl())
+if auth:
+    request.add_header("Authorization", "Basic " + base64.b64encode(urllib.parse.unquote(auth).encode()).decode())
 try:
-    urllib.request.urlopen(sys.argv[1].rstrip("/") + "/", timeout=5).close()
+    urllib.request.urlopen(request, timeout=5).close()
 except Exception as e:
-    print(getattr(e, "reason", None) or e)' "$1" 2>/dev/null || echo "no answer within 5 s"
+    print(getattr(e, "reason", None) or (e if isinstance(e, OSError) else type(e).__name__))' "$1" 2>/dev/null \
+    || echo "no answer within 5 s"
 }
+CPU_SHOWN=$(masked "$CPU_INDEX")  # what is printed of the index: never its password or a query's token
 
 step() {  # step WHAT COMMAND...: names the step, says it is still running every 15 s, then how long it took
   local what=$1 t0=$SECONDS rc=0 beat
@@ -75,9 +104,9 @@ elif has_nvidia_driver; then
 elif problem=$(index_problem "$CPU_INDEX") && [ -z "$problem" ]; then
   echo "machine: no NVIDIA driver (no nvidia-smi, no /proc/driver/nvidia): torch's CPU build (--gpu for the CUDA one)"
   TORCH_FROM=(--index-url "$CPU_INDEX")
-  TORCH_WHAT="torch + torchvision, CPU build (~200 MB) from $CPU_INDEX"
+  TORCH_WHAT="torch + torchvision, CPU build (~200 MB) from $CPU_SHOWN"
 else
-  echo "machine: no NVIDIA driver (no nvidia-smi, no /proc/driver/nvidia), but $CPU_INDEX did not answer" \
+  echo "machine: no NVIDIA driver (no nvidia-smi, no /proc/driver/nvidia), but $CPU_SHOWN did not answer" \
        "($problem): falling back to the default index, whose torch may be the CUDA build (~3 GB with its CUDA" \
        "libraries)"
   TORCH_WHAT="torch + torchvision from the default index"
@@ -94,7 +123,7 @@ if [ -x .venv/bin/python ] && .venv/bin/python -c "import torch, torchvision" 2>
   echo "torch $have already in .venv: kept (pip uninstall torch torchvision, then rerun, for another build)"
 elif [ ${#TORCH_FROM[@]} -gt 0 ]; then
   step "$TORCH_WHAT" torch_from "${TORCH_FROM[@]}" || {
-    echo "$CPU_INDEX failed: falling back to the default index"
+    echo "$CPU_SHOWN failed: falling back to the default index"
     step "torch + torchvision from the default index" torch_from
   }
 else

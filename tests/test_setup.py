@@ -29,6 +29,11 @@ def test_the_script_parses():
 
 
 def plan(tmp_path: Path, index: str, *args: str, driver: bool = False) -> str:
+    """setup.sh --plan's output."""
+    return planned(tmp_path, index, *args, driver=driver).stdout
+
+
+def planned(tmp_path: Path, index: str, *args: str, driver: bool = False) -> subprocess.CompletedProcess:
     """setup.sh --plan from a copy of the script (no .venv beside it), with a PATH of the few tools it runs."""
     (tmp_path / "repo" / "scripts").mkdir(parents=True, exist_ok=True)
     shutil.copy(SETUP, tmp_path / "repo" / "scripts" / "setup.sh")
@@ -48,7 +53,7 @@ def plan(tmp_path: Path, index: str, *args: str, driver: bool = False) -> str:
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert not (tmp_path / "repo" / ".venv").exists()  # a plan installs nothing
-    return r.stdout
+    return r
 
 
 class _Quiet(SimpleHTTPRequestHandler):
@@ -96,6 +101,24 @@ def test_an_index_that_stalls_is_given_up_after_seconds(tmp_path):
     with FolderServer(tmp_path / "index", Faults(stall_every=1, stall=120)) as url:
         out = plan(tmp_path, f"{url}/whl/cpu")  # within plan()'s own limit of 120 s, which the stall would pass
     assert "did not answer (timed out): falling back to the default index" in out, out
+
+
+@pytest.mark.skipif(not NO_DRIVER, reason="this machine has an NVIDIA driver loaded")
+@pytest.mark.parametrize("answers", [True, False])
+def test_the_index_is_printed_without_its_password_or_token(tmp_path, cpu_index, answers):
+    """A mirror's URL with user:password@ or ?token= in it was printed whole: where the index is named (what would be
+    installed from it), and where it did not answer (with urllib's 'nonnumeric port' error quoting the password).
+    It is shown as pip shows it, the password and every query value as ****."""
+    port = cpu_index.split(":")[2].split("/")[0] if answers else str(_closed_port())
+    index = f"http://user:PASSW0RD-x@127.0.0.1:{port}/whl/cpu?token=T0KEN-y&channel=stable"
+    r = planned(tmp_path, index)
+    shown = f"http://user:****@127.0.0.1:{port}/whl/cpu?token=****&channel=****"
+    said = r.stdout + r.stderr
+    assert "PASSW0RD" not in said and "T0KEN" not in said and "stable" not in said, said
+    if answers:
+        assert f"would install: torch + torchvision, CPU build (~200 MB) from {shown}\n" in r.stdout, said
+    else:
+        assert f"but {shown} did not answer (" in r.stdout and "Connection refused)" in r.stdout, said
 
 
 @pytest.mark.parametrize("driver,args", [(True, ()), (False, ("--gpu",))])
