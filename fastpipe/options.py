@@ -190,13 +190,25 @@ def describe_range(low=None, high=None, above=None, below=None) -> str:
     return " and ".join(x for x in (lo, hi) if x) or "a number"
 
 
+def is_integer(value) -> bool:
+    """An int that is not a bool: Python's True is the int 1, and num_workers=True was taken for one worker (or
+    failed later, deep in torch): a count or a size given as True/False is a mistake to refuse, not a number."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _integer(low=None, high=None, above=None, below=None) -> str:
+    """'an integer' and its range in words ('an integer >= 1'), for a message."""
+    bounded = any(x is not None for x in (low, high, above, below))
+    return "an integer" + (f" {describe_range(low, high, above, below)}" if bounded else "")
+
+
 def check_number(name: str, value, kind: type = float, low=None, high=None, above=None, below=None):
     """`value` if it is a number of `kind` within the range, else a ConfigError naming the setting, the value and
-    what is allowed. NaN and infinity are never allowed; an int setting takes only integers."""
+    what is allowed. NaN and infinity are never allowed; an int setting takes only integers (not True/False)."""
     allowed = describe_range(low, high, above, below)
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind is int and not (number and isinstance(value, int)):
-        raise ConfigError(f"{name} {value!r}: must be an integer {allowed}")
+    if kind is int and not is_integer(value):
+        raise ConfigError(f"{name} {value!r}: must be {_integer(low, high, above, below)}")
     if not number or not math.isfinite(value):
         raise ConfigError(f"{name} {value!r}: must be a finite number {allowed}")
     if ((low is not None and value < low) or (high is not None and value > high)
@@ -220,13 +232,18 @@ def _check_one(name: str, value, hint, meta) -> None:
             raise ConfigError(f"{name}: a value is needed")
         return
     rng = meta.get("range") or (None,) * 4
+    # A count or a word (workers: 4, auto, probe): True is neither, though it is an int (the help names the words).
+    # Before the choices: True == 1 would pass for a choice of 1.
+    if isinstance(value, bool) and bool not in kinds and int in kinds and str in kinds:
+        raise ConfigError(f"{name} {value!r}: must be {_integer(*rng)} or a word ({meta.get('help', 'text')}), not "
+                          f"true or false")
     if meta.get("choices") and value not in meta["choices"]:
         raise ConfigError(f"{name} {value!r}: use one of {', '.join(map(str, meta['choices']))}")
     if bool in kinds and isinstance(value, bool):
         return
     if float in kinds and isinstance(value, (int, float)) and not isinstance(value, bool):
         check_number(name, value, float, *rng)
-    elif int in kinds and ((isinstance(value, int) and not isinstance(value, bool)) or str not in kinds):
+    elif int in kinds and (is_integer(value) or str not in kinds):
         check_number(name, value, int, *rng)
     elif str in kinds and isinstance(value, str):
         return

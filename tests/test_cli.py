@@ -153,6 +153,47 @@ def test_a_setting_out_of_its_range_is_one_line_before_any_work(tmp_path, monkey
     assert not list(tmp_path.iterdir())
 
 
+def _int_settings():
+    """(config class, the arguments it needs, field) for every setting of every command's config that takes an
+    integer."""
+    import dataclasses
+    import typing
+
+    from fastpipe.bench.config import BenchConfig
+    from fastpipe.convert.config import ShardConfig
+    from fastpipe.convert.demo import DemoConfig
+    from fastpipe.convert.foreign import IndexConfig
+    from fastpipe.predict.config import ExportConfig, PredictConfig
+    from fastpipe.train.config import MemoryConfig, TrainConfig
+
+    needs = {ShardConfig: dict(src="src", out="out"), DemoConfig: dict(out="out"), IndexConfig: {},
+             TrainConfig: {}, MemoryConfig: {}, PredictConfig: dict(model="m", src=["x"]),
+             ExportConfig: dict(run="r", out="m.onnx"), BenchConfig: {}}
+    found = []
+    for cls, args in needs.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            kinds = typing.get_args(hints[f.name]) or (hints[f.name],)
+            if f.metadata and int in kinds and bool not in kinds:
+                found.append(pytest.param(cls, args, f.name, id=f"{cls.__name__}.{f.name}"))
+    return found
+
+
+@pytest.mark.parametrize("cls,args,name", _int_settings())
+@pytest.mark.parametrize("value", [True, False])
+def test_no_integer_setting_takes_true_or_false(cls, args, name, value):
+    """True is the int 1 in Python: TrainConfig(workers=True) and BenchConfig(workers=True) were taken (a number or
+    a word was checked, and True is a number). Every integer setting refuses it, naming the flag, the value and what
+    it takes; a word where the setting takes one (workers: auto, probe) is still taken."""
+    from fastpipe.errors import ConfigError
+
+    flag = "--" + name.replace("_", "-")
+    with pytest.raises(ConfigError, match=rf"^{flag} {value}: must be an integer\b[^\n]*$"):
+        cls(**args, **{name: value})
+    if name == "workers" and cls.__name__ in ("TrainConfig", "BenchConfig"):
+        assert cls(**args, workers="probe").workers == "probe"
+
+
 def test_boolean_settings_sweep_like_the_others():
     from fastpipe.bench.config import BenchConfig, split_sweep
     from fastpipe.cli import build_parser, given

@@ -737,6 +737,20 @@ def test_a_batch_that_cannot_fit_memory_is_refused_before_anything_starts(conver
         make_loader(converted, "torch", split="val", batch_size=4000, image_size=4096, device="cpu")
 
 
+@pytest.mark.parametrize("setting,value,says", [
+    ("num_workers", True, r"^num_workers=True: use a count >= 0 \(not True/False\), None .* or 'probe'"),
+    ("num_workers", False, r"^num_workers=False: use a count >= 0"),
+    ("rank", True, r"^rank True: must be an integer >= 0$"), ("world_size", True, "^world_size True: must be an "
+                                                                                  "integer >= 1$"),
+    ("batch_size", True, r"^batch_size True: must be an integer within 1\.\.65536$")])
+def test_true_or_false_is_not_a_count(converted, setting, value, says):
+    """num_workers=True was accepted (True is the int 1 in Python), then failed in torch.zeros with a TypeError."""
+    from fastpipe.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=says):
+        make_loader(converted, "torch", device="cpu", **{"num_workers": 0, setting: value})
+
+
 @pytest.mark.parametrize("setting,says", [("min_scale", "min_scale nan: must be a finite number > 0"),
                                           ("val_crop", "val_crop 0: must be > 0"),
                                           ("prefetch_factor", "prefetch_factor 0: must be within 1..64"),

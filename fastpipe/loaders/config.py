@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fastpipe.errors import ConfigError
-from fastpipe.options import MAX_IMAGE_SIZE, SEED_MAX, check_number, parse_normalize
+from fastpipe.options import MAX_IMAGE_SIZE, SEED_MAX, check_number, is_integer, parse_normalize
 
 SPLITS = ("train", "val")
 # (setting, type, low, high, above, below) of each number a loader takes
@@ -83,6 +83,9 @@ class LoaderConfig:
             raise ConfigError(f"on_error={self.on_error!r}: use one of {ON_ERROR}")
         for name, kind, *limits in NUMBERS:  # type, NaN/inf and range, as options.check does for the CLI's configs
             check_number(name, getattr(self, name), kind, *limits)
+        for name, low in (("rank", 0), ("world_size", 1)):  # None: from torch.distributed
+            if getattr(self, name) is not None:
+                check_number(name, getattr(self, name), int, low)
         if self.world_size is not None and not 0 <= (self.rank or 0) < self.world_size:
             raise ConfigError(f"rank={self.rank} with world_size={self.world_size}: need 0 <= rank < world_size")
         if self.reuse_output:
@@ -98,6 +101,6 @@ class LoaderConfig:
             raise ConfigError(f"threads={self.threads!r}: use True (worker threads), False (worker processes) or None "
                               f"(threads where the decoder releases the GIL)")
         if self.num_workers is not None and self.num_workers != "probe" and (
-                not isinstance(self.num_workers, int) or self.num_workers < 0):
-            raise ConfigError(f"num_workers={self.num_workers!r}: use a count >= 0, None (cores per device less "
-                              f"one) or 'probe' (measured once and cached)")
+                not is_integer(self.num_workers) or self.num_workers < 0):
+            raise ConfigError(f"num_workers={self.num_workers!r}: use a count >= 0 (not True/False), None (cores per "
+                              f"device less one) or 'probe' (measured once and cached)")
