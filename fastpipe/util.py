@@ -127,7 +127,10 @@ class JSONTooDeep(ValueError):
 def parse_json(data: bytes | str, max_depth: int = JSON_DEPTH):
     """A JSON document from outside (a file, a store, a line of a log), its nesting checked before parsing: a
     ValueError (JSONDecodeError, JSONTooDeep) for anything but plain JSON, never a RecursionError."""
-    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
+    # As UTF-8 text: json.loads would take UTF-16 or UTF-32 bytes too, in which a quote or a bracket is not the
+    # byte the count below looks for.
+    text = data.decode("utf-8-sig") if isinstance(data, (bytes, bytearray)) else data
+    raw = text.encode("utf-8", "surrogatepass")
     # Nesting deeper than max_depth takes more than 2 x max_depth brackets (closed or not); those inside strings
     # do not count.
     if len(raw.translate(None, _NOT_BRACKETS)) > 2 * max_depth:
@@ -136,7 +139,10 @@ def parse_json(data: bytes | str, max_depth: int = JSON_DEPTH):
         steps = np.frombuffer(_STRINGS.sub(b"", raw).translate(None, _NOT_BRACKETS), np.uint8)
         if int(np.cumsum(np.where(steps & 0x0F == 0x0B, 1, -1)).max()) > max_depth:  # [{ open, ]} close
             raise JSONTooDeep(f"nested more than {max_depth} levels deep")
-    return json.loads(data)
+    try:
+        return json.loads(text)
+    except RecursionError:  # not reachable after the count; kept so that no reader ever meets one
+        raise JSONTooDeep(f"nested more than {max_depth} levels deep") from None
 
 
 def read_json(path: Path, limit: int = JSON_LIMIT):

@@ -5,9 +5,12 @@ from __future__ import annotations
 import io
 import os
 import signal
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # tqdm reads it once, at import: set before fastpipe imports it
+# The record of this user's .pt2 exports (predict/trust.py): the suite's own, never the user's.
+os.environ["FASTPIPE_HOME"] = tempfile.mkdtemp(prefix="fastpipe-home-")
 # A shell starts a command run in the background (`cmd &`, nohup, some CI runners) with SIGINT ignored, and Python
 # then never turns Ctrl-C into KeyboardInterrupt. The tests of Ctrl-C need it as a terminal gives it.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:

@@ -413,7 +413,7 @@ def test_a_pt2_holding_a_pickle_is_refused_before_anything_in_it_runs(trained, t
     meta = json.loads((tmp_path / "m.pt2.json").read_text())
     meta["export"]["sha256"] = hashlib.sha256(evil.read_bytes()).hexdigest()
     (tmp_path / "evil.pt2.json").write_text(json.dumps(meta))
-    assert main(["predict", str(evil), str(src / "red"), "--out", str(tmp_path / "e.csv")]) == 2
+    assert main(["predict", str(evil), str(src / "red"), "--out", str(tmp_path / "e.csv"), "--trust-pt2"]) == 2
     err = capsys.readouterr().err
     assert not marker.exists() and "which loading would run as code" in err and len(err.strip().splitlines()) == 1
 
@@ -486,11 +486,37 @@ def _graph_edit(edit):
     return change
 
 
-@pytest.mark.parametrize("case", ["expression", "target", "guards", "case-variant", "extra", "compressed"])
-def test_a_pt2_crafted_to_run_code_or_inflate_is_refused_before_torch_reads_it(trained, exported, tmp_path, capsys,
-                                                                               case):
-    """torch.export evaluates shape expressions with sympy, resolves node targets from the torch module, runs guards
-    as Python, finds entries ignoring case and reads extra/ entries whole: a crafted file is one line, exit 2."""
+def test_a_pt2_this_user_did_not_export_is_loaded_only_when_trusted(trained, exported, tmp_path, capsys):
+    """A .pt2 runs code when torch loads it: one that this user's `fastpipe export` did not write (here the same
+    program, its archive written anew) is refused, naming the .onnx export and --trust-pt2, which loads it."""
+    from fastpipe import Predictor
+    from fastpipe.train.runs import RunError
+
+    src = trained[0]
+    pt2, meta, _ = exported
+    foreign = _rezipped(pt2, tmp_path / "foreign.pt2")
+    _sidecar_for(foreign, meta)
+    out = ["--out", str(tmp_path / "f.csv")]
+    assert main(["predict", str(foreign), str(src / "red"), *out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not written by `fastpipe export` as this user" in err
+    assert "load its .onnx export instead" in err and "--trust-pt2" in err
+    assert main(["predict", str(foreign), str(src / "red"), *out, "--trust-pt2"]) == 0
+    assert main(["predict", str(pt2), str(src / "red"), "--out", str(tmp_path / "own.csv")]) == 0  # this user's
+    assert read_rows(tmp_path / "f.csv") == read_rows(tmp_path / "own.csv")
+    with pytest.raises(RunError, match="trust_pt2=True"):
+        Predictor(foreign)
+    assert Predictor(foreign, trust_pt2=True).classes == meta["inference"]["classes"]
+
+
+@pytest.mark.parametrize("case", ["expression", "power", "target", "string-input", "ranges", "guards", "case-variant",
+                                  "extra", "compressed", "stub"])
+def test_a_pt2_crafted_to_run_code_or_inflate_is_refused_even_when_trusted(trained, exported, tmp_path, capsys,
+                                                                           case):
+    """Beyond trust, a second line: torch.export evaluates shape expressions with sympy, resolves node targets from
+    the torch module, builds guards from string inputs and runs them, finds entries ignoring case, reads extra/
+    entries whole, and reads a zip otherwise than Python where the layout allows: each crafted file is one line,
+    exit 2, with --trust-pt2 too."""
     src, marker = trained[0], tmp_path / "ran"
     pt2, meta, _ = exported
     root = zipfile.ZipFile(pt2).namelist()[0].split("/")[0]
@@ -499,10 +525,22 @@ def test_a_pt2_crafted_to_run_code_or_inflate_is_refused_before_torch_reads_it(t
         code = f"N.__globals__['__builtins__']['__import__']('pathlib').Path({str(marker)!r}).write_text('ran') and "
         kwargs["change"] = lambda name, data: data.replace(b'"expr_str": "Symbol(', b'"expr_str": "' +
                                                            code.encode().replace(b"'", b"\\u0027") + b"Symbol(")
+    elif case == "power":  # sympy would compute 10**10**10
+        kwargs["change"] = lambda name, data: data.replace(b'"expr_str": "Symbol(',
+                                                           b'"expr_str": "10**10**10 + Symbol(')
     elif case == "target":
         def first_target(doc):
             doc["graph_module"]["graph"]["nodes"][1]["target"] = "torch.os.system"
         kwargs["change"] = _graph_edit(first_target)
+    elif case == "string-input":  # a string input becomes guard source that torch execs
+        def string_input(doc):
+            doc["graph_module"]["graph"]["inputs"].append({"as_string": "x' #\n)\nimport os\n"})
+            doc["graph_module"]["signature"]["input_specs"].append(
+                {"constant_input": {"name": "tag", "value": {"as_string": "x"}}})
+        kwargs["change"] = _graph_edit(string_input)
+    elif case == "ranges":  # torch counts up to a symbol's number
+        kwargs["change"] = _graph_edit(lambda doc: doc["range_constraints"].update(
+            u99999999999999={"min_val": 0, "max_val": 1}))
     elif case == "guards":
         kwargs["change"] = _graph_edit(lambda doc: doc.update(guards_code=[f"open({str(marker)!r}, 'w')"]))
     elif case == "case-variant":
@@ -511,13 +549,16 @@ def test_a_pt2_crafted_to_run_code_or_inflate_is_refused_before_torch_reads_it(t
                          (f"{root}/data/weights/evil_0", b"\x80\x04K\x01.")]
     elif case == "extra":
         kwargs.update(add=[(f"{root}/extra/notes", b"\0" * (64 << 20))], compress=zipfile.ZIP_DEFLATED)
-    else:
+    elif case == "compressed":
         kwargs["compress"] = zipfile.ZIP_DEFLATED
-    _sidecar_for(_rezipped(pt2, evil, **kwargs), meta)
-    assert main(["predict", str(evil), str(src / "red"), "--out", str(tmp_path / "e.csv")]) == 2
+    _rezipped(pt2, evil, **kwargs)
+    if case == "stub":  # data before the archive: Python's zipfile and torch's reader would each read another one
+        evil.write_bytes(b"\0" * 64 + pt2.read_bytes())
+    _sidecar_for(evil, meta)
+    assert main(["predict", str(evil), str(src / "red"), "--out", str(tmp_path / "e.csv"), "--trust-pt2"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err and str(evil) in err, err
-    assert "use its .onnx export" in err or "torch writes its files uncompressed" in err, err
+    assert "use its .onnx export" in err or "not a zip archive as torch writes one" in err, err
     assert not marker.exists() and not (tmp_path / "e.csv").exists()
 
 
@@ -573,10 +614,14 @@ def test_a_checkpoint_whose_entries_inflate_is_refused_before_loading(trained, t
     src, _, run = trained
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
-    _rezipped(run / "best.pt", copy / "best.pt", compress=zipfile.ZIP_DEFLATED)
-    assert main(["predict", str(copy), str(src / "red"), "--out", str(tmp_path / "c.csv")]) == 2
-    err = capsys.readouterr().err
-    assert "torch writes its files uncompressed" in err and len(err.strip().splitlines()) == 1
+    for damage in ("compressed", "stub"):
+        if damage == "compressed":
+            _rezipped(run / "best.pt", copy / "best.pt", compress=zipfile.ZIP_DEFLATED)
+        else:  # data before it: another central directory could be read by torch than by Python's zipfile
+            (copy / "best.pt").write_bytes(b"\0" * 64 + (run / "best.pt").read_bytes())
+        assert main(["predict", str(copy), str(src / "red"), "--out", str(tmp_path / "c.csv")]) == 2
+        err = capsys.readouterr().err
+        assert "not a zip archive as torch writes one" in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("where", ["sidecar", "older-config"])

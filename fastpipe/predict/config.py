@@ -43,6 +43,8 @@ class PredictConfig:
     workers: int | None = opt(None, "processes converting the photos: a number (0 = in this process) or auto "
                                     "(every core)", parse=parse_procs, low=0, high=1024)
     max_file_size: int = opt(1024**3, "refuse larger files (bytes)", low=1, cli=False)
+    trust_pt2: bool = opt(False, "load a .pt2 that `fastpipe export` did not write as this user (a .pt2 runs code "
+                                 "when loaded: only one whose source you trust as a Python script's)")
 
     def __post_init__(self):
         check(self)

@@ -63,7 +63,12 @@ def export(cfg: ExportConfig, log=print) -> Path:
             torch.export.save(torch.export.export(model, (example,), dynamic_shapes=shapes), str(tmp))
             _checkable(tmp)
         os.replace(tmp, out)
-    write_json_atomic(sidecar(out), _record(card, out, source))
+    record = _record(card, out, source)
+    if out.suffix.lower() == ".pt2":
+        from fastpipe.predict import trust
+
+        trust.remember(record["export"]["sha256"])  # this user's export: predict loads it without being told
+    write_json_atomic(sidecar(out), record)
     log(f"exported {source} to {out} (input: uint8 RGB NCHW, {size}x{size}; output: probabilities of "
         f"{len(card['classes'])} classes) and {sidecar(out).name}")
     return out
@@ -75,7 +80,7 @@ def _checkable(tmp: Path) -> None:
     from fastpipe.train.runs import RunError
 
     try:
-        check_archive(tmp)
+        check_archive(tmp.read_bytes(), tmp)
     except RunError as e:
         raise DataError(f"this model's .pt2 holds what `fastpipe predict` refuses to load from a file ("
                         f"{str(e).split(': ', 1)[-1][:200]}): export it to .onnx instead") from None

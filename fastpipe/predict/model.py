@@ -10,7 +10,8 @@ model card field is checked (modelcard.py), an exported file must match the hash
 from __future__ import annotations
 
 import hashlib
-import zipfile
+import io
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,10 +23,11 @@ from fastpipe.train import modelcard
 from fastpipe.train.loop import amp_dtype
 from fastpipe.train.models import build_model, plain_names
 from fastpipe.train.runs import Run, RunError
-from fastpipe.util import read_json
+from fastpipe.util import read_json, read_regular
 
 EXPORT_FORMAT, EXPORT_VERSION = "fastpipe-export", 1
 NON_FINITE = "the model gave NaN or infinite scores for this photo: not a prediction"
+MAX_PT2 = 16 << 30  # bytes: an exported classifier (a ViT-H is 2.5 GB)
 
 
 @dataclass
@@ -60,8 +62,9 @@ class Model:
         return self.run(x)
 
 
-def load_model(path: str | Path, weights: str = "best", device: str | None = None) -> Model:
-    """A run folder, a checkpoint (.pt), or an exported model (.onnx / .pt2 with its .json beside it)."""
+def load_model(path: str | Path, weights: str = "best", device: str | None = None, trust_pt2: bool = False) -> Model:
+    """A run folder, a checkpoint (.pt), or an exported model (.onnx / .pt2 with its .json beside it). A .pt2 is
+    loaded when this user's `fastpipe export` wrote it, or with trust_pt2 (it runs code: pt2.py)."""
     path = Path(path)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -76,7 +79,7 @@ def load_model(path: str | Path, weights: str = "best", device: str | None = Non
     if suffix == ".onnx":
         return _onnx(path, dev)
     if suffix == ".pt2":
-        return _exported_program(path, dev)
+        return _exported_program(path, dev, trust_pt2)
     raise ConfigError(f"model {path}: expected a run folder, a checkpoint (.pt) or an exported model (.onnx, .pt2)")
 
 
@@ -96,14 +99,15 @@ def _weights_file(run: Run, weights: str) -> tuple[Path, list[str]]:
 
 def load_checkpoint(file: Path) -> dict:
     """A checkpoint's contents, loaded safely, or one error naming the file."""
-    from fastpipe.predict.pt2 import check_stored
+    from fastpipe.predict.torchzip import NotTorchsZip, stored_entries
 
     try:
-        with zipfile.ZipFile(file) as z:  # torch.save's own layout: entries stored, none inflating past the file
-            check_stored(z.infolist(), file)
+        with open(file, "rb") as f:  # torch.save's own layout: read alike by torch and zipfile, nothing inflating
+            stored_entries(f, os.fstat(f.fileno()).st_size)
         state = torch.load(file, map_location="cpu", weights_only=True)
-    except RunError:
-        raise
+    except NotTorchsZip as e:
+        raise RunError(f"{file}: not a zip archive as torch writes one ({e}): a crafted or damaged checkpoint, not "
+                       f"loaded") from None
     except Exception as e:  # torch raises many types for damage (pickle, zip, EOF): all mean the same here
         raise RunError(f"{file} cannot be loaded ({type(e).__name__}: {str(e)[:200]}): a truncated, damaged or "
                        f"foreign checkpoint") from None
@@ -217,8 +221,9 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def read_sidecar(path: Path) -> dict:
-    """The exported model's card, from the JSON beside it, checked against the file it describes."""
+def read_sidecar(path: Path, sha256: str | None = None) -> dict:
+    """The exported model's card, from the JSON beside it, checked against the file it describes (whose sha256
+    the caller may have taken of the bytes it loads)."""
     meta_file = sidecar(path)
     try:
         meta = read_json(meta_file)
@@ -234,7 +239,7 @@ def read_sidecar(path: Path) -> dict:
     if export.get("version") != EXPORT_VERSION:
         raise RunError(f"{meta_file}: an export of format version {str(export.get('version'))[:20]!r}; this "
                        f"fastpipe reads version {EXPORT_VERSION}: export the model again with this fastpipe")
-    if export.get("sha256") != file_sha256(path):
+    if export.get("sha256") != (sha256 or file_sha256(path)):
         raise RunError(f"{path} is not the file {meta_file.name} describes (its sha256 differs): a replaced or "
                        f"damaged model; export it again")
     return modelcard.check(meta.get("inference"), str(meta_file))
@@ -261,13 +266,21 @@ def _onnx(path: Path, device: torch.device) -> Model:
     return _probed(Model(card, device, str(path), run), path)
 
 
-def _exported_program(path: Path, device: torch.device) -> Model:
-    card = read_sidecar(path)
+def _exported_program(path: Path, device: torch.device, trusted: bool) -> Model:
+    from fastpipe.predict import trust
     from fastpipe.predict.pt2 import check_archive
 
-    check_archive(path)  # nothing in it is unpickled unrestricted (torch's loader would)
+    data = read_regular(path, MAX_PT2)  # hashed, checked and loaded from these bytes: never a file swapped since
+    sha256 = hashlib.sha256(data).hexdigest()
+    card = read_sidecar(path, sha256)
+    if not (trusted or trust.known(sha256)):
+        raise RunError(f"{path}: a .pt2 holds code that torch runs when it loads the file, and this one was not "
+                       f"written by `fastpipe export` as this user: load its .onnx export instead (ONNX Runtime runs "
+                       f"no code from the file), or pass --trust-pt2 (Predictor(..., trust_pt2=True)) if you trust "
+                       f"where it came from as you would a Python script")
+    check_archive(data, path)  # a second line: the layout fastpipe export writes, nothing torch would run
     try:
-        net = torch.export.load(str(path)).module()
+        net = torch.export.load(io.BytesIO(data)).module()
     except Exception as e:  # damage shows as many error types
         raise RunError(f"{path}: torch.export cannot load it ({type(e).__name__}: {str(e)[:200]})") from None
     net = net.to(device)

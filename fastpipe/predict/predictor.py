@@ -41,8 +41,8 @@ class Prediction:
 
 class Predictor:
     def __init__(self, model: str | os.PathLike, weights: str = "best", device: str | None = None,
-                 max_file_size: int = 1 << 30):
-        self.model = load_model(model, weights, device)
+                 max_file_size: int = 1 << 30, trust_pt2: bool = False):
+        self.model = load_model(model, weights, device, trust_pt2)
         self.card, self.settings, self.limit = self.model.card, settings_of(self.model.card), max_file_size
         self.step = DeviceStep(self.model.device, self.card["mean"], self.card["std"], normalize=False)
 

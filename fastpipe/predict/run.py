@@ -40,7 +40,7 @@ class Result:
 
 
 def predict(cfg: PredictConfig, log=print) -> Result:
-    model = load_model(cfg.model, cfg.weights, cfg.device)
+    model = load_model(cfg.model, cfg.weights, cfg.device, cfg.trust_pt2)
     for note in model.notes:
         log(f"note: {note}")
     found = photos.find(cfg.src, model.classes, model.multilabel, cfg.max_file_size)
