@@ -10,6 +10,13 @@ def make_loader(out, backend: str = "torch", **settings):
     return _make(out, backend, **settings)
 
 
+def watch(iterable, every: int | None = None, writer=None, warmup: int = 20, log=None, trace_memory: bool = False):
+    """Is the loader or the device holding your loop back? See fastpipe.bench.watch (imported on first use)."""
+    from fastpipe.bench.watch import watch as _watch
+
+    return _watch(iterable, every, writer, warmup, log, trace_memory)
+
+
 def __getattr__(name: str):
     """fastpipe.Predictor (fastpipe.predict.predictor), imported on first use: it needs torch."""
     if name == "Predictor":

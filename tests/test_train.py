@@ -62,6 +62,9 @@ def test_short_run_learns_and_records_everything(converted, tmp_path):
     for key in ("train_loss", "img_per_s", "data_wait", "val_loss", "per_class_acc", "confusion", "lr"):
         assert key in metrics[0]
     assert 0 <= metrics[0]["data_wait"] <= 1 and len(metrics[-1]["confusion"]) == 3
+    # the verdict of the epoch's wait for data, and where the loader's time went (the torch backend's stages)
+    assert metrics[0]["verdict"] in ("loader-bound", "balanced", "device-bound")
+    assert {"read", "decode", "assemble", "device"} <= set(metrics[0]["loader_ms_per_image"])
     config = json.loads((run / "config.json").read_text())
     assert config["train"]["model"] == "resnet18" and config["train"]["amp"] == "off"
     assert config["versions"]["torch"] == torch.__version__ and config["loader"]["num_workers"] == 1

@@ -255,6 +255,7 @@ def _row(i: int, c: BenchConfig, m: int, model: real.Model, mo: dict, make_loade
     feed = real.batches(loader)
     next(feed)  # its start (workers, the first shards): untimed, as planned
     lo = loader_only(c, feed, allot)
+    stages = {k: 1000 * v for k, v in getattr(getattr(loader, "stats", None), "per_image", dict)().items()}
     sched.estimate(f"loader {i}", _per_step(lo))
     e2e = end_to_end(c, feed, model, sched.take(f"end to end {i}"))
     log(f"  loader only: {_fmt(lo)}; end to end: {_fmt(e2e)}")
@@ -273,7 +274,9 @@ def _row(i: int, c: BenchConfig, m: int, model: real.Model, mo: dict, make_loade
 
     describe = getattr(loader, "describe", dict)()
     row = {"config": asdict(c), "loader_workers": getattr(loader, "num_workers", None),
-           "decoder": describe.get("decoder"), **judge(lo, mo, e2e, again, log)}
+           "decoder": describe.get("decoder"), "loader_stages_ms_per_image": stages, **judge(lo, mo, e2e, again, log)}
+    if stages:
+        log("  loader time per image: " + ", ".join(f"{k} {v:.2f} ms" for k, v in stages.items()))
     feed.close()
     return row
 

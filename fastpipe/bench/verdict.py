@@ -4,6 +4,7 @@ harness.py's."""
 
 from __future__ import annotations
 
+from fastpipe.loaders.stats import WAIT_BOUND, WAIT_FREE
 from fastpipe.util import usable_cores
 
 MIN_STEPS, MIN_SECONDS = 5, 0.1  # what a measurement must time to carry a verdict
@@ -13,8 +14,6 @@ AGREE = 1.15  # end to end may beat a single measurement's fastest window by thi
 BUSY_SHARE = 0.2  # other processes took a fifth of the machine's CPU: said beside the verdict
 DEVICE_BOUND = 0.90  # end to end within 10 % of the model-only rate: the device is the limit
 LOADER_BOUND = 0.85  # end to end at >= 85 % of the loader-only rate, and well below the model: the loader
-WAIT_BOUND = 0.5  # ... or half of every step spent waiting for data (a loader in the training process)
-WAIT_FREE = 0.1  # under a tenth of each step waiting: the loader is not what holds training back
 SHARED = 0.6  # ... and end to end at 60 % of model-only or more; further below, loader and model compete
 
 
@@ -100,6 +99,11 @@ def advice(r: dict, manifest) -> list[str]:
     c, out = r["config"], []
     cuda = c["device"].startswith("cuda")
     workers = r.get("loader_workers")
+    stages = r.get("loader_stages_ms_per_image") or {}
+    if r["verdict"] in ("loader-bound", "balanced") and stages:
+        lead = max(stages, key=stages.get)
+        out.append(f"the loader's time goes mostly to {lead}: {stages[lead]:.2f} of {sum(stages.values()):.2f} ms "
+                   f"per image (loader.stats.stages)")
     if r["verdict"] in ("loader-bound", "balanced"):
         if workers is not None and workers < usable_cores() and c["backend"] in ("torch", "nvjpeg"):
             out.append(f"more loader workers: {workers} of {usable_cores()} cores in use (--workers)")

@@ -17,7 +17,7 @@ import json
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import torch
 
@@ -26,27 +26,10 @@ from fastpipe.errors import ConfigError, DataError, FastpipeWarning
 from fastpipe.loaders.batch import HostBatch, SampleKey
 from fastpipe.loaders.config import LoaderConfig
 from fastpipe.loaders.epoch import batches_per_epoch
+from fastpipe.loaders.stats import LoaderStats
 from fastpipe.options import check_number, normalization
 
 MAX_EPOCH = 1_000_000  # a loader state's epoch beyond this is damage, not a long run
-
-
-@dataclass
-class LoaderStats:
-    epoch: int = 0
-    batches: int = 0
-    samples: int = 0
-    skipped: int = 0  # samples that failed to decode (replaced in train, left out in val)
-    wait_s: float = 0.0  # time the consumer spent blocked waiting for the next batch
-    seconds: float = 0.0  # wall time of the epoch's iteration
-    skipped_keys: list[str] = field(default_factory=list)  # the first few, with the reason
-    # A data set in object storage: what this epoch fetched into the node's cache, and the retries it took
-    requests: int = 0
-    fetched_bytes: int = 0
-    retries: int = 0
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 class DeviceStep:
@@ -251,6 +234,9 @@ class Loader:
     def _moved(self, batch: HostBatch):
         if batch.error:
             raise DataError(batch.error)
+        start, stages = time.perf_counter(), self.stats.stages
+        for k, v in (batch.stages or {}).items():
+            stages[k] = stages.get(k, 0.0) + v
         host = self.step.draw((self.epoch, self._start + self._batch_index * self.cfg.world_size
                                * self.cfg.batch_size, self.cfg.rank))
         self._batch_index += 1
@@ -264,6 +250,7 @@ class Loader:
             self.stats.fetched_bytes += batch.io[1]
             self.stats.retries += batch.io[2]
         self._release(batch)
+        stages["device"] = stages.get("device", 0.0) + time.perf_counter() - start
         return x, y, keys, len(batch.skipped), batch.skipped
 
     def __iter__(self) -> Iterator[tuple]:

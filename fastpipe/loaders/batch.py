@@ -27,6 +27,7 @@ class HostBatch:
     slot: int = -1  # the pooled buffer holding `images`, to release once copied (BufferPool)
     error: str | None = None  # a worker's FastpipeError, re-raised by the main process with this message
     io: tuple[int, int, int] | None = None  # remote data: (requests, bytes, retries) since the last batch
+    stages: dict[str, float] | None = None  # seconds the workers spent on it, per stage (LoaderStats.stages)
 
     def __reduce__(self):
         """From a worker to the main process: `images` (a pooled shared-memory buffer) by handle, as torch sends a

@@ -15,6 +15,7 @@ twice. With on_error="raise" the batch stops with the sample's name instead.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,6 +77,7 @@ class _Job:
     rngs: list
     ok: list[bool]
     failures: list[str | None]
+    decode_s: list[float]  # each part's time (parts may run in several threads at once)
 
 
 class CpuDecode(_Prepare):
@@ -96,11 +98,12 @@ class CpuDecode(_Prepare):
         n = len(raw)
         # one view per batch: a tensor index + .numpy() per image showed in the profile
         return _Job(raw, positions, epoch, buffer, slot, buffer.numpy(), self.rngs(epoch, positions), [False] * n,
-                    [None] * n)
+                    [None] * n, [])
 
     def part(self, job: _Job, lo: int, hi: int, shards=None) -> None:
         """Samples lo..hi of the batch; `shards`: the ShardSet to fetch a sample again through (its own maps)."""
         images, rngs, pixels, ok = job.raw.images, job.rngs, job.pixels, job.ok  # the per-sample loop: locals
+        start = time.perf_counter()
         for i in range(lo, hi):
             try:
                 self._decode(images[i], rngs[i], pixels[i])
@@ -109,16 +112,20 @@ class CpuDecode(_Prepare):
                 said: list[str] = []
                 ok[i] = self._refetched(job.raw, i, job.positions, job.epoch, pixels[i], e, said, shards)
                 job.failures[i] = said[-1] if said else None
+        job.decode_s.append(time.perf_counter() - start)
 
     def end(self, job: _Job) -> HostBatch:
-        raw, buffer, n = job.raw, job.buffer, len(job.raw)
+        start, raw, buffer, n = time.perf_counter(), job.raw, job.buffer, len(job.raw)
         good, skipped = [i for i in range(n) if job.ok[i]], [f for f in job.failures if f]
         pick = self._fill(good, n, skipped[-1] if skipped else "") if self.train else good
         if pick == list(range(n)):
-            return HostBatch(raw.labels, torch.from_numpy(raw.ids), images=buffer[:n], skipped=skipped, slot=job.slot)
-        buffer[: len(pick)] = buffer[pick].clone()
-        return HostBatch(raw.labels[pick], torch.from_numpy(raw.ids[pick]), images=buffer[: len(pick)],
-                         skipped=skipped, slot=job.slot)
+            batch = HostBatch(raw.labels, torch.from_numpy(raw.ids), images=buffer[:n], skipped=skipped, slot=job.slot)
+        else:
+            buffer[: len(pick)] = buffer[pick].clone()
+            batch = HostBatch(raw.labels[pick], torch.from_numpy(raw.ids[pick]), images=buffer[: len(pick)],
+                              skipped=skipped, slot=job.slot)
+        batch.stages = {"read": raw.read_s, "decode": sum(job.decode_s), "assemble": time.perf_counter() - start}
+        return batch
 
     def _refetched(self, raw: RawBatch, i: int, positions, epoch: int, out, error: Exception, skipped,
                    shards=None) -> bool:
@@ -145,7 +152,7 @@ class CpuDecode(_Prepare):
 
 class EncodedBytes(_Prepare):
     def __call__(self, raw: RawBatch, positions, epoch: int) -> HostBatch:
-        cfg, keep, boxes, flips, skipped = self.cfg, [], [], [], []
+        start, cfg, keep, boxes, flips, skipped = time.perf_counter(), self.cfg, [], [], [], []
         for i, (image, rng) in enumerate(zip(raw.images, self.rngs(epoch, positions))):
             try:
                 w, h = cpu_ops.jpeg_size(image, self.max_pixels)
@@ -165,9 +172,11 @@ class EncodedBytes(_Prepare):
         return HostBatch(raw.labels[keep], torch.from_numpy(raw.ids[keep]),
                          data=[torch.frombuffer(bytearray(raw.images[i]), dtype=torch.uint8) for i in keep],
                          boxes=torch.tensor(boxes, dtype=torch.int64).reshape(-1, 4),
-                         flips=torch.tensor(flips, dtype=torch.bool), skipped=skipped)
+                         flips=torch.tensor(flips, dtype=torch.bool), skipped=skipped,
+                         stages={"read": raw.read_s, "headers": time.perf_counter() - start})
 
 
 class Raw(_Prepare):
     def __call__(self, raw: RawBatch, positions, epoch: int) -> HostBatch:
-        return HostBatch(raw.labels, torch.from_numpy(raw.ids), data=[np.frombuffer(im, np.uint8) for im in raw.images])
+        return HostBatch(raw.labels, torch.from_numpy(raw.ids), data=[np.frombuffer(im, np.uint8) for im in raw.images],
+                         stages={"read": raw.read_s})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import time
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
@@ -56,6 +57,7 @@ class RawBatch:
     ids: np.ndarray
     images: list[memoryview]
     labels: torch.Tensor
+    read_s: float = 0.0  # seconds this read took, waiting for a fetch ahead of it included (loader.stats.stages)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -97,6 +99,7 @@ class ShardSet:
         self.sizes = np.zeros((n, 3), np.int64)
         self.keys: list[str] = []
         self.cache = None
+        self.fetch_wait_s = 0.0  # waited for a fetch ahead (stream.fetched_ahead) since the last read
         if self.remote is not None:
             self._check_remote(manifest, info)
         else:
@@ -249,12 +252,14 @@ class ShardSet:
 
     def read(self, ids) -> RawBatch:
         """The samples `ids` (global ids), their images as views and their labels decoded batch-wise."""
+        start, self.fetch_wait_s = time.perf_counter() - self.fetch_wait_s, 0.0
         ids = np.asarray(ids, dtype=np.int64)
         shards = self.shard_of(ids)
         self.fetch(ids, shards)
         off, size = self.offsets[ids], self.sizes[ids]
         images = [self._view(s, o, n) for s, o, n in zip(shards.tolist(), off[:, 0].tolist(), size[:, 0].tolist())]
-        return RawBatch(self, ids, images, self.labels(ids, shards, off[:, 1], size[:, 1]))
+        labels = self.labels(ids, shards, off[:, 1], size[:, 1])
+        return RawBatch(self, ids, images, labels, time.perf_counter() - start)
 
     def labels(self, ids: np.ndarray, shards: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> torch.Tensor:
         """The batch's label tensor. Binary `.lbl` records (what the converter writes) are gathered from the memory

@@ -12,6 +12,7 @@ import atexit
 import collections
 import os
 import sys
+import time
 import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -123,7 +124,9 @@ def fetched_ahead(shards: ShardSet, plan):
             if not future.done() and not first:
                 size = min(2 * size, largest)
             first = False
+            waited = time.perf_counter()
             future.result()
+            shards.fetch_wait_s += time.perf_counter() - waited  # reading, as the next read counts it
             yield from w
     finally:
         pool.shutdown(wait=True, cancel_futures=True)

@@ -74,6 +74,8 @@ class Board:
         for key, tag in (STEP_TAGS if record.get("kind") == "step" else EPOCH_TAGS).items():
             if isinstance(record.get(key), (int, float)):
                 self.writer.add_scalar(tag, record[key], step)
+        for stage, ms in (record.get("loader_ms_per_image") or {}).items():  # where the loader's time goes
+            self.writer.add_scalar(f"loader/{stage}_ms_per_image", ms, step)
 
     def pictures(self, folder: Path) -> None:
         """The run's figures as they stand, at the last step logged."""

@@ -17,6 +17,7 @@ from torch import nn
 from tqdm import tqdm
 
 from fastpipe.errors import FastpipeError
+from fastpipe.loaders.stats import wait_verdict
 from fastpipe.train.config import TrainConfig
 from fastpipe.train.models import plain_names
 from fastpipe.train.stop import StopRequest
@@ -167,8 +168,11 @@ class Trainer:
         if streaks:
             raise TrainingStopped(self._nonfinite_advice(f"for {self.cfg.max_nonfinite}+ steps in a row", epoch))
         peak = torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else None
+        stages = getattr(getattr(loader, "stats", None), "per_image", dict)()  # this rank's loader, by stage
         return {"train_loss": loss / max(batches, 1), "img_per_s": images / (seconds or 1e-9),
-                "data_wait": wait / (seconds or 1e-9), "seconds": seconds, "peak_mem_mb": peak,
+                "data_wait": wait / (seconds or 1e-9), "verdict": wait_verdict(wait / (seconds or 1e-9)),
+                "loader_ms_per_image": {k: round(1000 * v, 4) for k, v in stages.items()},
+                "seconds": seconds, "peak_mem_mb": peak,
                 "lr": self.opt.param_groups[0]["lr"], "train_samples": int(images), "nonfinite_steps": int(bad)}
 
     def _after_step(self, loader, epoch: int, p: EpochProgress, loss_sum, streak, bar) -> None:

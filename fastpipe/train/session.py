@@ -244,11 +244,18 @@ def _save_mid(trainer: Trainer, run: Run, epoch: int, progress: EpochProgress, l
         run.save({**trainer.state(epoch), "mid_epoch": {"loader": loader.state_dict(), "progress": asdict(progress)}})
 
 
+def _loader_words(m: dict) -> str:
+    """'device-bound; loader: decode 1.32 ms/img': the verdict of the epoch's wait and the loader's leading stage."""
+    stages = m.get("loader_ms_per_image") or {}
+    lead = max(stages, key=stages.get, default=None)
+    return m.get("verdict", "") + (f"; loader: {lead} {stages[lead]:.2f} ms/img" if lead else "")
+
+
 def _report(cfg: TrainConfig, m: dict, epoch: int, size: int) -> None:
     print(f"epoch {epoch + 1}/{cfg.epochs}  size {size}  loss {m['train_loss']:.3f}  "
           + (f"val acc {m['val_acc']:.3f}  " if "val_acc" in m else "")
           + (f"val mAP {m['val_map']:.3f} (exact {m['val_exact_match']:.3f})  " if "val_map" in m else "")
-          + f"{m['img_per_s']:.0f} img/s  data wait {100 * m['data_wait']:.0f}%"
+          + f"{m['img_per_s']:.0f} img/s  data wait {100 * m['data_wait']:.0f}% ({_loader_words(m)})"
           + (f"  peak {m['peak_mem_mb']:.0f} MB" if m["peak_mem_mb"] else ""))
 
 

@@ -1,0 +1,52 @@
+"""What a loader measures of each epoch (`loader.stats`), the stages its time is split into, and the verdict a
+training loop's wait for data gives (the thresholds `fastpipe bench` and `fastpipe.watch` use too)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+WAIT_BOUND = 0.5  # half of every step spent waiting for data: the loader holds training back
+WAIT_FREE = 0.1  # under a tenth of each step waiting: the loader is not what holds training back
+
+
+@dataclass
+class LoaderStats:
+    epoch: int = 0
+    batches: int = 0
+    samples: int = 0
+    skipped: int = 0  # samples that failed to decode (replaced in train, left out in val)
+    wait_s: float = 0.0  # time the consumer spent blocked waiting for the next batch
+    seconds: float = 0.0  # wall time of the epoch's iteration
+    skipped_keys: list[str] = field(default_factory=list)  # the first few, with the reason
+    # A data set in object storage: what this epoch fetched into the node's cache, and the retries it took
+    requests: int = 0
+    fetched_bytes: int = 0
+    retries: int = 0
+    # Seconds per stage, summed over the batches and the workers that made them (STAGES says what each is)
+    stages: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def per_image(self) -> dict[str, float]:
+        """Seconds per image of each stage, largest first."""
+        n = max(self.samples + self.skipped, 1)
+        return dict(sorted(((k, v / n) for k, v in self.stages.items()), key=lambda kv: -kv[1]))
+
+
+# What each stage of loader.stats.stages times. Workers' stages are summed over the workers (on N workers they add up
+# to about N times the wall time when all are busy); "device" is the training process's own.
+STAGES = {
+    "read": "finding the batch's samples in the shards, reading their labels and fetching what is not in the node "
+            "cache yet (a local shard's bytes are paged in by the decoder, counted under decode)",
+    "decode": "decoding each JPEG with its crop, resize and flip (one call in fastpipe's decoders)",
+    "headers": "reading each JPEG's header and drawing its crop (nvjpeg: the decoding itself runs on the device)",
+    "assemble": "finishing the batch: replacing samples that failed, handing its buffer over",
+    "device": "in the training process: the copy to the device and the device step (normalisation, device "
+              "augmentation, mixing) as the host sees it; on CUDA the device's own time runs on asynchronously",
+}
+
+
+def wait_verdict(wait_share: float) -> str:
+    """loader-bound, balanced or device-bound, from the share of each step spent waiting for data."""
+    return "loader-bound" if wait_share >= WAIT_BOUND else "device-bound" if wait_share < WAIT_FREE else "balanced"

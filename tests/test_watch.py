@@ -1,0 +1,189 @@
+"""`fastpipe.watch` inside a training loop: the verdict from wait against step, where a fastpipe loader's time goes
+(stages), and memory that keeps growing. Speeds come from stand-ins that sleep, never from this CPU's speed."""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import pytest
+import torch
+
+import fastpipe
+from fastpipe.errors import ConfigError, FastpipeWarning
+from fastpipe.loaders.prepare import CpuDecode
+
+
+def sleepy(n: int, seconds: float):
+    """A stand-in loader: n batches of 4, each `seconds` in coming."""
+    for _ in range(n):
+        time.sleep(seconds)
+        yield torch.zeros(4, 3), torch.zeros(4)
+
+
+def run(w, step_s: float = 0.0) -> dict:
+    for _ in w:
+        time.sleep(step_s)
+    return w.summary()
+
+
+def test_a_loop_whose_step_takes_the_time_is_device_bound():
+    s = run(fastpipe.watch(sleepy(30, 0.0), warmup=2, log=lambda line: None), step_s=0.02)
+    assert s["verdict"] == "device-bound" and s["steps"] == 30 and s["images"] == 120
+    assert s["steady"]["step_ms"] >= 20 and s["stages_ms_per_image"] is None  # not a fastpipe loader
+    assert "the step sets the pace" in s["advice"][0]
+
+
+def test_a_plain_dataloader_that_cannot_keep_up_is_loader_bound_without_stages():
+    class Slow(torch.utils.data.Dataset):
+        def __len__(self):
+            return 48
+
+        def __getitem__(self, i):
+            time.sleep(0.005)
+            return torch.zeros(3)
+
+    w = fastpipe.watch(torch.utils.data.DataLoader(Slow(), batch_size=4), warmup=2)
+    s = run(w)
+    assert s["verdict"] == "loader-bound" and s["steady"]["wait_share"] > 0.9
+    assert s["stages_ms_per_image"] is None and "more DataLoader workers" in s["advice"][0]
+    assert "loader-bound" in str(w) and "no stage timing" in str(w)
+
+
+@pytest.fixture
+def slow_decode(monkeypatch):
+    """Each sample's decode takes 30 ms longer: the stand-in for a slow stage, whatever this CPU's speed (a busy
+    machine's stalls of a worker process in its first reads stay well below it)."""
+    real = CpuDecode._decode
+
+    def slowed(self, *args):
+        time.sleep(0.03)
+        return real(self, *args)
+
+    monkeypatch.setattr(CpuDecode, "_decode", slowed)
+
+
+@pytest.mark.parametrize("workers,threads", [(0, None), (2, True), (2, False)])
+def test_a_loader_slowed_in_one_stage_is_loader_bound_naming_that_stage(converted, slow_decode, workers, threads):
+    loader = fastpipe.make_loader(converted, batch_size=4, image_size=32, device="cpu", num_workers=workers,
+                                  threads=threads)
+    w = fastpipe.watch(loader, warmup=2)
+    s = run(w, step_s=0.001)
+    loader.close()
+    assert s["verdict"] == "loader-bound" and s["leading_stage"] == "decode", s
+    assert s["stages_ms_per_image"]["decode"] >= 30
+    assert s["advice"][0].startswith("decoding dominates") and "decode" in str(w)
+
+
+def test_the_stages_add_up_to_the_time_the_loop_waited(converted, slow_decode):
+    """In the training process (no workers) the loader's time is the loop's wait: its stages account for it."""
+    loader = fastpipe.make_loader(converted, batch_size=4, image_size=32, device="cpu", num_workers=0)
+    for _ in loader:
+        pass
+    stats = loader.stats
+    assert abs(sum(stats.stages.values()) - stats.wait_s) <= 0.05 * stats.wait_s, (stats.stages, stats.wait_s)
+    assert sum(stats.per_image().values()) * (stats.samples + stats.skipped) == pytest.approx(
+        sum(stats.stages.values()))
+
+
+def test_every_backend_here_is_watched_and_epochs_add_up(converted):
+    for backend in ("torch", "synthetic"):
+        loader = fastpipe.make_loader(converted, backend, batch_size=4, image_size=32, device="cpu", num_workers=0)
+        w = fastpipe.watch(loader, warmup=1)
+        for _ in range(2):  # two epochs: the loader's stats restart, the watch's add up
+            run(w, step_s=0.005)
+        s = w.summary()
+        assert s["steps"] == 2 * len(loader) and s["verdict"] in ("device-bound", "balanced", "loader-bound")
+        assert (s["stages_ms_per_image"] or {}).keys() == ({"read", "decode", "assemble", "device"}
+                                                          if backend == "torch" else {"device"})
+
+
+def test_every_n_steps_a_line_and_a_writer_that_fails_is_left_out():
+    said = []
+
+    class Broken:
+        def add_scalar(self, tag, value, step):
+            raise OSError("No space left on device")
+
+    w = fastpipe.watch(sleepy(12, 0.0), every=5, writer=Broken(), warmup=2, log=said.append)
+    with pytest.warns(FastpipeWarning, match="the SummaryWriter failed .*No space left on device"):
+        s = run(w, step_s=0.002)
+    assert s["steps"] == 12 and [line.split(":")[1].strip() for line in said] == ["step 5", "step 10"]
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: fastpipe.watch(5), "give what a for loop takes"),
+    (lambda: fastpipe.watch([], every=0), "watch every 0: must be >= 1"),
+    (lambda: fastpipe.watch([], every=2.5), "watch every 2.5"),
+    (lambda: fastpipe.watch([], warmup=-1), "watch warmup -1"),
+    (lambda: fastpipe.watch([], writer=object()), "give a torch.utils.tensorboard SummaryWriter"),
+])
+def test_bad_arguments_are_one_clear_error(call, match):
+    with pytest.raises(ConfigError, match=match):
+        call()
+
+
+def test_too_few_steps_give_no_verdict_but_say_why():
+    s = run(fastpipe.watch(sleepy(4, 0.0), warmup=2))
+    assert s["verdict"] is None and "no verdict yet: 2 step(s) after the 2 of warm-up, 5 needed" in s["verdict_text"]
+
+
+# -- memory that keeps growing ---------------------------------------------------------------------------------------
+def training_steps(n: int, keep_graphs: bool, batch: int = 128):
+    """A CPU training loop; with keep_graphs, each step's loss is kept with its graph (the input it saved: batch x
+    1024 float32 a step), the mistake behind out-of-memory at step 3,000."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 64)
+    losses = []
+    w = fastpipe.watch((torch.randn(batch, 1024) for _ in range(n)), warmup=20, log=lambda line: None)
+    found_at = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, x in enumerate(w, start=1):
+            loss = model(x).square().mean()
+            losses.append(loss if keep_graphs else loss.item())
+            if found_at is None and caught:
+                found_at = step
+    return w.summary()["memory"], found_at, [str(c.message) for c in caught]
+
+
+def test_a_loop_that_keeps_each_steps_graph_is_flagged_with_its_rate():
+    memory, found_at, said = training_steps(400, keep_graphs=True)
+    growing = memory["growing"]
+    assert growing is not None and found_at is not None and found_at <= 300, (memory, found_at)
+    true_rate = 128 * (1024 + 64) * 4  # what each step's graph holds: the input, and the output square() saved
+    assert abs(growing["bytes_per_step"] - true_rate) <= 0.25 * true_rate, growing
+    assert len(said) == 1 and "memory grows" in said[0] and "loss.item()" in said[0] and "full near step" in said[0]
+
+
+def test_a_flat_loop_is_never_flagged():
+    memory, found_at, said = training_steps(2000, keep_graphs=False)
+    assert memory["growing"] is None and found_at is None and not said, memory
+
+
+def test_trace_memory_off_cuda_says_so_and_the_watch_has_the_loaders_length(converted):
+    loader = fastpipe.make_loader(converted, batch_size=4, image_size=32, device="cpu", num_workers=0)
+    w = fastpipe.watch(loader, trace_memory=True)
+    assert len(w) == len(loader)
+    with pytest.warns(FastpipeWarning, match="names allocation sites on CUDA only"):
+        run(w)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_device_time_and_the_growing_allocation_site_are_named():
+    """A CUDA loop that keeps each step's loss with its graph: flagged, and with trace_memory the site of the
+    growing allocations is this file's line; the device's time per step comes from events."""
+    device = torch.device("cuda")
+    model = torch.nn.Linear(1024, 64).to(device)
+    batches = (torch.randn(512, 1024, device=device) for _ in range(400))
+    w = fastpipe.watch(batches, warmup=20, log=lambda line: None, trace_memory=True)
+    losses = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x in w:
+            losses.append(model(x.relu()).square().mean())  # x.relu() is allocated here, on this line
+    s = w.summary()
+    growing = s["memory"]["growing"]
+    assert growing is not None and any("test_watch.py" in site["where"] for site in growing["sites"]), growing
+    assert s["device_ms_per_step"] is not None and s["device_ms_per_step"] > 0
+    assert any("memory grows" in str(c.message) for c in caught)
