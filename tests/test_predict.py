@@ -679,3 +679,48 @@ def test_an_export_never_writes_through_a_link_beside_its_file(trained, tmp_path
     assert main(["export", str(trained[2]), str(tmp_path / "m.pt2")]) == 0
     assert other.read_text() == "keep me" and zipfile.is_zipfile(tmp_path / "m.pt2")
     assert sorted(p.name for p in tmp_path.iterdir()) == [".m.tmp.pt2", "m.pt2", "m.pt2.json", "other.txt"]
+
+
+def test_a_timm_model_trains_predicts_and_exports_with_validations_answers(trained, tmp_path):
+    """--model timm:NAME: the run's predictions on its val photos are its validation pass's, and the exported
+    graphs give the run's answers, as for torchvision's models."""
+    pytest.importorskip("timm")
+    from fastpipe.train.config import TrainConfig
+    from fastpipe.train.session import train
+
+    src, shards, _ = trained
+    run = train(TrainConfig(data=str(shards), out=str(tmp_path / "run"), **{**TRAIN, "model": "timm:resnet10t",
+                                                                             "epochs": 1}))
+    card = torch.load(run / "best.pt", weights_only=True)["inference"]
+    assert card["model"] == "timm:resnet10t"
+    assert main(["predict", str(run), str(src), "--out", str(tmp_path / "p.jsonl")]) == 0
+    got = {r["path"]: dict(r["top_k"]) for r in read_rows(tmp_path / "p.jsonl")}
+    want = validation_pass(shards, run)
+    assert len(want) > 5 and max(abs(got[p][c] - s) for p, ss in want.items()
+                                 for c, s in zip(card["classes"], ss) if c in got[p]) < 1e-5
+    for suffix in (".pt2", ".onnx") if importlib.util.find_spec("onnxruntime") else (".pt2",):
+        out = tmp_path / f"m{suffix}"
+        assert main(["export", str(run), str(out)]) == 0
+        assert main(["predict", str(out), str(src), "--out", str(tmp_path / f"e{suffix}.jsonl")]) == 0
+        exported = read_rows(tmp_path / f"e{suffix}.jsonl")
+        assert [r["predicted"] for r in exported] == [r["predicted"] for r in read_rows(tmp_path / "p.jsonl")]
+
+
+def test_an_unknown_timm_model_is_one_line(trained, tmp_path, capsys):
+    pytest.importorskip("timm")
+    assert main(["train", str(trained[1]), "--model", "timm:resnet_nonesuch", "--out", str(tmp_path / "r"),
+                 "--device", "cpu", "--epochs", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not a name timm.list_models() gives" in err, err
+
+
+def test_timm_weights_from_a_local_file_load_all_but_the_head(tmp_path):
+    """--pretrained FILE for a timm model: its backbone from the file, the classifier sized for the data set."""
+    pytest.importorskip("timm")
+    from fastpipe.train.models import build_model
+
+    source = build_model("timm:resnet10t", 7, 32)
+    torch.save(source.state_dict(), tmp_path / "w.pth")
+    model = build_model("timm:resnet10t", 3, 32, pretrained=str(tmp_path / "w.pth"))
+    assert torch.equal(model.state_dict()["conv1.0.weight"], source.state_dict()["conv1.0.weight"])
+    assert model.state_dict()["fc.weight"].shape == (3, 512)

@@ -24,7 +24,7 @@ CPU_BUDGET = 300.0  # seconds for a whole bench on a CPU unless --max-seconds sa
 @dataclass(frozen=True)
 class BenchConfig:
     data: str = opt(None, "converter output folder, or its URL (s3://, gs://, az://, http(s)://)", positional=True)
-    model: str = opt("resnet18", "torchvision model name")
+    model: str = opt("resnet18", "torchvision model name, or timm:NAME")
     backend: str = opt("torch", "loader backend: " + ", ".join(BACKEND_NAMES), sweep=True, choices=BACKEND_NAMES)
     device: str | None = opt(None, "cuda, cpu (default: cuda when available)")
     batch_size: int = opt(64, "batch size", sweep=True, low=1, high=65536)

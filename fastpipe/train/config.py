@@ -31,7 +31,7 @@ class TrainConfig:
     data: str = opt(None, "converter output folder (dataset.json inside), or its URL (s3://, gs://, az://, "
                           "http(s)://; credentials from the store's usual environment)", positional=True)
     model: str = opt("resnet18", "torchvision model name (resnet18/50, mobilenet_v3_large, efficientnet_b0, "
-                                 "convnext_tiny, vit_b_16, ...)")
+                                 "convnext_tiny, vit_b_16, ...), or timm:NAME for any timm model (timm:resnet10t)")
     backend: str = opt("torch", "loader backend", choices=BACKEND_NAMES)
     epochs: int = opt(10, "epochs in the whole run", low=1, high=100_000)
     batch_size: int = opt(64, "images per device and step (per micro-batch with --accum-steps)", low=1, high=65536)
@@ -157,7 +157,7 @@ def image_size_for_epoch(cfg: TrainConfig, epoch: int) -> int:
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    model: str = opt("resnet18", "torchvision model name")
+    model: str = opt("resnet18", "torchvision model name, or timm:NAME")
     image_size: int = opt(224, "image size (pixels, square)", low=16, high=MAX_IMAGE_SIZE)
     batch_size: int = opt(64, "batch size to account for", low=1, high=65536)
     optimizer: str = opt("sgd", "optimizer (SGD keeps one state copy, AdamW two)", choices=("sgd", "adamw"))

@@ -65,7 +65,9 @@ def check(card, where: str) -> dict:
         raise CardError(f"{where}: written by a fastpipe of model-record version {str(version)[:20]!r}; this "
                         f"fastpipe reads version {VERSION}: upgrade fastpipe (pip install -U fastpipe), or export the "
                         f"model again with this one")
-    need(isinstance(card.get("model"), str) and card["model"].isidentifier(), "model", "a torchvision model name")
+    model = card.get("model")
+    need(isinstance(model, str) and (model.isidentifier() or (model.startswith("timm:") and model[5:].isidentifier())),
+         "model", "a torchvision model name, or timm:NAME")
     classes = card.get("classes")
     need(isinstance(classes, list) and classes and all(isinstance(c, str) and c for c in classes)
          and len(set(classes)) == len(classes), "classes", "a list of distinct class names")

@@ -1,4 +1,5 @@
-"""torchvision classifiers by name, with the head sized to the data set and optional activation checkpointing."""
+"""torchvision classifiers by name (timm's with timm:NAME, timmzoo.py), with the head sized to the data set and
+optional activation checkpointing."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fastpipe.errors import ConfigError
 from fastpipe.options import NORMALIZE_FORMS, parse_normalize
+from fastpipe.train import timmzoo
 
 SUPPORTED = ("resnet18", "resnet34", "resnet50", "resnet101", "mobilenet_v3_small", "mobilenet_v3_large",
              "efficientnet_b0", "efficientnet_b1", "convnext_tiny", "vit_b_16", "regnet_y_400mf")
@@ -115,6 +117,14 @@ def weights_normalization(path: str) -> str:
 
 def build_model(name: str, num_classes: int, image_size: int = 224, pretrained: str | None = None,
                 checkpoint_activations: bool = False) -> nn.Module:
+    """A torchvision classifier by name, or timm's (timm:NAME), with `num_classes` outputs."""
+    if timmzoo.is_timm(name):
+        model = timmzoo.build(name, num_classes, image_size)
+        if pretrained:
+            load_pretrained(model, pretrained)
+        if checkpoint_activations:
+            timmzoo.checkpoint_deep_stages(model)
+        return model
     if name not in torchvision.models.list_models(module=torchvision.models):  # detection, video...: not classifiers
         raise ConfigError(f"unknown model {name!r}: not a torchvision classification model; try one of "
                           f"{', '.join(SUPPORTED)} (any name torchvision.models.list_models(module=torchvision.models) "

@@ -165,7 +165,7 @@ def _save(state: dict, path: Path) -> None:
 
 
 def default_run_dir(model: str) -> Path:
-    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{model}"
+    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{model.replace(':', '-')}"  # timm:NAME: no colon
 
 
 def _read_json(path: Path) -> dict:
