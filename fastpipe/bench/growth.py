@@ -3,9 +3,11 @@
 Sampled at every step boundary after warm-up (CUDA: torch.cuda.memory_allocated, what tensors hold; a CPU: what the
 process's live allocations hold, process_memory). A leak of the
 usual kind (each step's loss kept with its graph, outputs appended to a list) rises by about the same amount every
-step; the allocator's caching and a pool filling up rise in a step or two and stay. So a rise is flagged only when
-the window's four quarters each sit higher than the one before, by at least an eighth of the whole rise, and the
-whole rise is at least MIN_RISE: a single jump moves one quarter boundary only.
+step; the allocator's caching and a pool filling up rise in a step or a few and stay. So a rise is flagged only when
+the window's eight parts each sit higher than the one before, by at least a quarter of an even share of the whole
+rise, and the whole rise is at least MIN_RISE: a jump, or a staircase of a few, moves a few part boundaries only.
+A slow leak (a few kB a step) rises less than MIN_RISE in WINDOW steps: the same test runs on every 16th boundary
+too, a window sixteen times as long.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import statistics
 
 WINDOW = 1024  # steps: the boundaries looked at (the latest)
 MIN_STEPS = 100  # steps after warm-up before a trend can be told
-CHECK_EVERY = 25  # steps between looks
+CHECK_EVERY = 25  # samples between looks
+PARTS = 8  # the window's parts, each of which must sit higher than the one before
 MIN_RISE = 16 << 20  # bytes over the window: below that, noise or nothing that matters
 CAUSES = ("something keeps each step alive: a list of losses or outputs that still hold their graphs (keep "
           "loss.item() or loss.detach()), metrics accumulated on the device, or a cache keyed by step")
@@ -74,28 +77,34 @@ class Growth:
     def __init__(self, capacity: int | None, where: str):
         self.capacity, self.where = capacity, where
         self.samples: collections.deque[tuple[int, int]] = collections.deque(maxlen=WINDOW)
+        self.coarse: collections.deque[tuple[int, int]] = collections.deque(maxlen=WINDOW)  # every 16th
         self.found: dict | None = None
-        self.peak = 0
+        self.peak, self._added = 0, 0
 
     def add(self, step: int, used: int) -> dict | None:
         """The finding, the first time there is one (None otherwise)."""
         self.samples.append((step, used))
+        self._added += 1
+        if self._added % 16 == 0:
+            self.coarse.append((step, used))
         self.peak = max(self.peak, used)
-        if self.found is None and len(self.samples) >= MIN_STEPS and step % CHECK_EVERY == 0:
-            self.found = self._trend()
+        if self.found is None and self._added % CHECK_EVERY == 0:
+            self.found = self._trend(self.samples) or (self._trend(self.coarse) if self._added % 400 == 0 else None)
             return self.found
         return None
 
-    def _trend(self) -> dict | None:
-        rows = list(self.samples)
-        q = len(rows) // 4
-        quarters = [rows[i * q : (i + 1) * q] for i in range(4)]
-        levels = [statistics.median(m for _, m in part) for part in quarters]
-        rise = levels[3] - levels[0]
-        if rise < MIN_RISE or any(b - a < rise / 8 for a, b in itertools.pairwise(levels)):
+    def _trend(self, samples) -> dict | None:
+        rows = list(samples)
+        if len(rows) < MIN_STEPS:
             return None
-        centres = [statistics.fmean(s for s, _ in part) for part in quarters]
-        rate = rise / (centres[3] - centres[0])
+        n = len(rows) // PARTS
+        parts = [rows[i * n : (i + 1) * n] for i in range(PARTS)]
+        levels = [statistics.median(m for _, m in part) for part in parts]
+        rise = levels[-1] - levels[0]
+        if rise < MIN_RISE or any(b - a < rise / (4 * (PARTS - 1)) for a, b in itertools.pairwise(levels)):
+            return None
+        centres = [statistics.fmean(s for s, _ in part) for part in parts]
+        rate = rise / (centres[-1] - centres[0])
         since, now = rows[0][0], rows[-1]
         full = now[0] + int((self.capacity - now[1]) / rate) if self.capacity else None
         text = (f"memory grows {rate / 2**20:.2f} MB a step since step {since:,} ({self.where}: "

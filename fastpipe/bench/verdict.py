@@ -4,7 +4,7 @@ harness.py's."""
 
 from __future__ import annotations
 
-from fastpipe.loaders.stats import WAIT_BOUND, WAIT_FREE
+from fastpipe.loaders.stats import WAIT_BOUND, WAIT_FREE, WORKER_STAGES, leading_stage
 from fastpipe.util import usable_cores
 
 MIN_STEPS, MIN_SECONDS = 5, 0.1  # what a measurement must time to carry a verdict
@@ -100,10 +100,10 @@ def advice(r: dict, manifest) -> list[str]:
     cuda = c["device"].startswith("cuda")
     workers = r.get("loader_workers")
     stages = r.get("loader_stages_ms_per_image") or {}
-    if r["verdict"] in ("loader-bound", "balanced") and stages:
-        lead = max(stages, key=stages.get)
+    lead = leading_stage(stages, workers or 0) if any(k in WORKER_STAGES for k in stages) else None
+    if r["verdict"] in ("loader-bound", "balanced") and lead:
         out.append(f"the loader's time goes mostly to {lead}: {stages[lead]:.2f} of {sum(stages.values()):.2f} ms "
-                   f"per image (loader.stats.stages)")
+                   f"per image (loader.stats.stages, the workers' summed over {max(workers or 0, 1)})")
     if r["verdict"] in ("loader-bound", "balanced"):
         if workers is not None and workers < usable_cores() and c["backend"] in ("torch", "nvjpeg"):
             out.append(f"more loader workers: {workers} of {usable_cores()} cores in use (--workers)")

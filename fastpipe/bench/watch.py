@@ -44,17 +44,18 @@ class Watch:
         self.trace_memory, self._sites = bool(trace_memory), None  # CUDA: live bytes per site when tracing began
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.steps = self.images = 0
-        self.first = [0.0, 0.0]  # warm-up: wait, step seconds
+        self.first = [0.0, 0.0, 0]  # warm-up: wait, step seconds, steps
         self.steady = [0.0, 0.0, 0]  # after it: wait, step seconds, steps
         self.window = [0.0, 0.0, 0]  # since the last line or point
         self.device_s, self.device_steps, self._events = 0.0, 0, []
         self.memory: Growth | None = None
         self._stages: dict[str, float] = {}  # finished iterations' loader stages
-        self._stage_images, self._stats = 0, None
+        self._stage_images, self._live = 0, []  # ... and the loader.stats of iterations under way
+        self._memory_every = 1  # steps between memory samples (more when reading the count is slow)
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def __iter__(self):
-        it, handed = iter(self.iterable), None
+        it, handed, mine = iter(self.iterable), None, None
         try:
             while True:
                 asked = time.perf_counter()
@@ -66,9 +67,20 @@ class Watch:
                     return
                 handed = time.perf_counter()
                 self._waited(handed - asked, batch)
+                if mine is None:  # this iteration's loader.stats (a fastpipe loader makes it as the iteration begins)
+                    mine = self._capture()
                 yield batch
         finally:
-            self._fold()
+            if self._events and not isinstance(self._events[-1], tuple):
+                self._events.pop()  # a step left by a break or an error: never ended, never timed
+            self._fold(mine)
+
+    def _capture(self):
+        stats = getattr(self.iterable, "stats", None)
+        if not isinstance(getattr(stats, "stages", None), dict):
+            return None
+        self._live.append(stats)
+        return stats
 
     def _waited(self, wait: float, batch) -> None:
         self.steps += 1
@@ -76,8 +88,6 @@ class Watch:
             self._start(batch)
         self.images += _count(batch)
         self._pending_wait = wait
-        stats = getattr(self.iterable, "stats", None)  # a fastpipe loader's: replaced as each iteration begins
-        self._stats = stats if isinstance(getattr(stats, "stages", None), dict) else None
         if self._cuda is not None:
             self._mark()
 
@@ -88,13 +98,14 @@ class Watch:
         if k <= self.warmup:
             self.first[0] += wait
             self.first[1] += step
+            self.first[2] += 1
         else:
             self.steady[0] += wait
             self.steady[1] += step
             self.steady[2] += 1
             if k == self.warmup + 1 and self.trace_memory and self._cuda is not None:
                 self._sites = growth.start_tracing(self._cuda)  # after warm-up: its allocations are not the leak
-            found = self.memory.add(k, self._used())
+            found = self.memory.add(k, self._used()) if k % self._memory_every == 0 else None
             if found:
                 self._where_it_grows(found)
                 warnings.warn(found["text"], FastpipeWarning, stacklevel=3)
@@ -120,10 +131,16 @@ class Watch:
     def __len__(self) -> int:
         return len(self.iterable)  # what the loop expects of the loader (progress bars, Lightning)
 
+    def set_epoch(self, epoch: int) -> None:
+        """The loader's set_epoch, for loops that call it on what they iterate."""
+        self.iterable.set_epoch(epoch)
+
     def _start(self, batch) -> None:
         import torch
 
         device = _device(batch)
+        if (device is None or device.type != "cuda") and torch.cuda.is_available() and torch.cuda.is_initialized():
+            device = torch.device("cuda", torch.cuda.current_device())  # CPU batches the step moves to the GPU
         self._cuda = device if device is not None and device.type == "cuda" else None
         if self.trace_memory and self._cuda is None:
             warnings.warn("watch(trace_memory=True) names allocation sites on CUDA only (PyTorch's memory history); "
@@ -141,7 +158,11 @@ class Watch:
             import torch
 
             return torch.cuda.memory_allocated(self._cuda)
-        return process_memory()
+        start = time.perf_counter()
+        used = process_memory()
+        if time.perf_counter() - start > 1e-3:  # glibc walks its free chunks: a heap of many costs, so read less often
+            self._memory_every = 64
+        return used
 
     def _mark(self, end: bool = False) -> None:
         """CUDA: an event at each end of the step, on the current stream; their time is read once both are done."""
@@ -182,21 +203,21 @@ class Watch:
                               f"on without it", FastpipeWarning, stacklevel=4)
                 self.writer = None
 
-    def _fold(self) -> None:
+    def _fold(self, s) -> None:
         """An iteration ended: its loader's stages join the watch's (the next iteration's stats start from zero)."""
-        s, self._stats = self._stats, None
-        if s is not None and getattr(s, "stages", None) is not None:
-            for k, v in s.stages.items():
-                self._stages[k] = self._stages.get(k, 0.0) + v
-            self._stage_images += s.samples + s.skipped
+        if s is None or s not in self._live:
+            return
+        self._live.remove(s)
+        for k, v in s.stages.items():
+            self._stages[k] = self._stages.get(k, 0.0) + v
+        self._stage_images += s.samples + s.skipped
 
     def stages(self) -> dict[str, float] | None:
         """Seconds per image of each stage of a fastpipe loader, largest first; None for other iterables."""
-        s = self._stats
-        if s is None and not self._stages:
+        if not self._live and not self._stages and not self._stage_images:
             return None
         totals, images = dict(self._stages), self._stage_images
-        if s is not None:
+        for s in self._live:
             for k, v in s.stages.items():
                 totals[k] = totals.get(k, 0.0) + v
             images += s.samples + s.skipped
@@ -213,14 +234,18 @@ class Watch:
 
 
 def _count(batch) -> int:
-    """Samples in a batch: the length of its first tensor (images), else 1."""
-    first = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
-    if isinstance(first, dict):
-        first = next(iter(first.values()), None)
-    try:
-        return len(first)
-    except TypeError:
-        return 1
+    """Samples in a batch: the length of its first tensor or array (searched through tuples, lists and dicts), else
+    of the list it is, else 1."""
+    stack = [batch]
+    while stack:
+        item = stack.pop(0)
+        if hasattr(item, "shape") and len(getattr(item, "shape", ())) > 0:
+            return int(item.shape[0])
+        if isinstance(item, dict):
+            stack += list(item.values())[:16]
+        elif isinstance(item, (tuple, list)):
+            stack += list(item[:16])  # a batch's parts come first; a list of file names is not searched through
+    return len(batch) if isinstance(batch, list) else 1
 
 
 def _device(batch):

@@ -47,6 +47,22 @@ STAGES = {
 }
 
 
+WORKER_STAGES = ("read", "decode", "headers", "assemble")  # made in the loader's workers, side by side
+
+
+def wall_per_image(per_image: dict[str, float], workers: int) -> dict[str, float]:
+    """Each stage's share of the loader's wall time per image: the workers' stages spread over the workers (they run
+    side by side), the training process's own ("device") as it is. What to compare to find the stage that holds
+    the loader back."""
+    n = max(workers or 0, 1)
+    return {k: v / n if k in WORKER_STAGES else v for k, v in per_image.items()}
+
+
+def leading_stage(per_image: dict[str, float], workers: int) -> str | None:
+    wall = wall_per_image(per_image, workers)
+    return max(wall, key=wall.get) if wall else None
+
+
 def wait_verdict(wait_share: float) -> str:
     """loader-bound, balanced or device-bound, from the share of each step spent waiting for data."""
     return "loader-bound" if wait_share >= WAIT_BOUND else "device-bound" if wait_share < WAIT_FREE else "balanced"

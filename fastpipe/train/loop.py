@@ -17,7 +17,7 @@ from torch import nn
 from tqdm import tqdm
 
 from fastpipe.errors import FastpipeError
-from fastpipe.loaders.stats import wait_verdict
+from fastpipe.loaders.stats import WORKER_STAGES, leading_stage, wait_verdict
 from fastpipe.train.config import TrainConfig
 from fastpipe.train.models import plain_names
 from fastpipe.train.stop import StopRequest
@@ -172,6 +172,8 @@ class Trainer:
         return {"train_loss": loss / max(batches, 1), "img_per_s": images / (seconds or 1e-9),
                 "data_wait": wait / (seconds or 1e-9), "verdict": wait_verdict(wait / (seconds or 1e-9)),
                 "loader_ms_per_image": {k: round(1000 * v, 4) for k, v in stages.items()},
+                "loader_leading_stage": leading_stage(stages, getattr(loader, "num_workers", 0) or 0)
+                if any(k in WORKER_STAGES for k in stages) else None,
                 "seconds": seconds, "peak_mem_mb": peak,
                 "lr": self.opt.param_groups[0]["lr"], "train_samples": int(images), "nonfinite_steps": int(bad)}
 

@@ -246,9 +246,8 @@ def _save_mid(trainer: Trainer, run: Run, epoch: int, progress: EpochProgress, l
 
 def _loader_words(m: dict) -> str:
     """'device-bound; loader: decode 1.32 ms/img': the verdict of the epoch's wait and the loader's leading stage."""
-    stages = m.get("loader_ms_per_image") or {}
-    lead = max(stages, key=stages.get, default=None)
-    return m.get("verdict", "") + (f"; loader: {lead} {stages[lead]:.2f} ms/img" if lead else "")
+    stages, lead = m.get("loader_ms_per_image") or {}, m.get("loader_leading_stage")
+    return m.get("verdict", "") + (f"; loader: {lead} {stages[lead]:.2f} ms/img" if lead in stages else "")
 
 
 def _report(cfg: TrainConfig, m: dict, epoch: int, size: int) -> None:
