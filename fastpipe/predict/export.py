@@ -108,20 +108,38 @@ def _onnx(model: nn.Module, example: torch.Tensor, shapes: dict, tmp: Path) -> N
 
 
 def _record(card: dict, out: Path, source: str) -> dict:
-    size, c = card["image_size"], card.get("convert")
-    steps = ([f"apply the EXIF orientation, flatten transparency onto white, convert to RGB; resize so the shorter "
-              f"side is {c['short_side']} px (never up), Lanczos; encode as JPEG quality {c['quality']}, 4:2:0"]
-             if c else ["decode the photo as it is (the model was trained on shards written by another tool)"])
-    steps += [f"take the centred square box of side round(min(width, height) x {card['val_crop']}) (corners rounded "
-              f"to whole pixels) and resize it to {size}x{size}: fastpipe decodes it with libjpeg-turbo, DCT-scaled by "
-              f"1/2, 1/4 or 1/8 while the box stays at least twice {size} px, then OpenCV's INTER_AREA when shrinking "
-              f"2x or more, else INTER_LINEAR; as uint8 RGB, channels first",
-              "for the exact pixels, prepare photos with fastpipe.Predictor(...).inputs(...) or `fastpipe predict`"]
     return {"inference": card, "export": {
         "format": EXPORT_FORMAT, "version": EXPORT_VERSION, "file": out.name, "sha256": file_sha256(out),
         "from": source, "fastpipe": __version__,
         "input": {"name": "images", "dtype": "uint8", "layout": "NCHW", "channels": "RGB",
-                  "shape": ["batch", 3, size, size]},
+                  "shape": ["batch", 3, card["image_size"], card["image_size"]]},
         "output": {"name": "probabilities", "activation": "sigmoid" if card["task"] == "multilabel" else "softmax",
                    "classes": card["classes"]},
-        "prepare": steps}}
+        "prepare": prepare_steps(card)}}
+
+
+def prepare_steps(card: dict) -> list[str]:
+    """The preparation of a photo, in words, with every rule and parameter the pixels depend on."""
+    size, crop, c = card["image_size"], card["val_crop"], card.get("convert")
+    steps = ([f"as the converter stored the training photos: (w, h) is the photo's size and (tw, th) that size with "
+              f"its shorter side {c['short_side']} px (each side round(side x {c['short_side']} / shorter side), "
+              f"never larger than the photo); a JPEG is decoded with libjpeg's DCT scaling to the smallest of 1/1, "
+              f"1/2, 1/4, 1/8 of its size whose sides are at least int(tw x {c['draft_gap']:g}) and "
+              f"int(th x {c['draft_gap']:g}) (Pillow: Image.draft('RGB', (int(tw x {c['draft_gap']:g}), "
+              f"int(th x {c['draft_gap']:g})))), other formats in full; the EXIF orientation is applied; it is made "
+              f"RGB (transparency flattened onto white, 16-bit values scaled by 255/65535); it is resized to (tw, th) "
+              f"with Pillow's LANCZOS, reducing_gap=3.0, when that differs from its size; it is encoded as JPEG "
+              f"quality {c['quality']}, 4:2:0, and that JPEG is what the next step decodes"]
+             if c else ["the photo as it is (the model was trained on shards another tool wrote)"])
+    steps += [f"validation's centre crop: side = min(w, h) x {crop:g} of the stored JPEG's size (w, h); the box "
+              f"x0 = round((w - side) / 2), x1 = round((w + side) / 2), y0, y1 alike, at least 1 px each way; when "
+              f"the box is at least {2 * size} px a side the JPEG is decoded DCT-scaled by the largest 1/2, 1/4, "
+              f"1/8 that keeps the box at least {size} px (the scaled size rounded up, the box's corners scaled and "
+              f"rounded); the box is resized to {size}x{size} with OpenCV, INTER_AREA when it is at least {2 * size} "
+              f"px a side, else INTER_LINEAR; uint8 RGB, channels first",
+              "these steps followed with Pillow, NumPy and OpenCV give fastpipe's pixels exactly while the box is "
+              "under twice the image size; where validation decodes DCT-scaled, fastpipe's crop decoder "
+              "(libjpeg-turbo, the box alone) and Pillow's scaled decode differ by a few grey levels: for the exact "
+              "pixels in every "
+              "case, fastpipe.Predictor(...).inputs(...) or `fastpipe predict`"]
+    return steps
