@@ -724,3 +724,36 @@ def test_timm_weights_from_a_local_file_load_all_but_the_head(tmp_path):
     model = build_model("timm:resnet10t", 3, 32, pretrained=str(tmp_path / "w.pth"))
     assert torch.equal(model.state_dict()["conv1.0.weight"], source.state_dict()["conv1.0.weight"])
     assert model.state_dict()["fc.weight"].shape == (3, 512)
+
+
+def test_the_exports_prepare_file_feeds_the_model_without_fastpipe(trained, exported, tmp_path):
+    """MODEL.prepare.py, run where fastpipe cannot be imported, on photos of every kind the converter takes: the
+    model's input within a grey level of Predictor.inputs(), the same classes, probabilities within 1e-3."""
+    import runpy
+    import subprocess
+
+    import numpy as np
+
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("cv2")
+    from fastpipe import Predictor
+
+    src, _, onnx = trained[0], exported[0], exported[2]
+    script = onnx.with_name("m.prepare.py")
+    assert not re.search(r"^\s*(import|from) fastpipe", script.read_text(), re.M)
+    deep = np.linspace(0, 65535, 90 * 120, dtype=np.uint16).reshape(90, 120)
+    Image.fromarray(deep).save(tmp_path / "sixteen.png")  # a 16-bit PNG (mode I;16)
+    photos = [str(p) for p in sorted(src.rglob("*.*"))[::3]] + [str(tmp_path / "sixteen.png")]
+    code = ("import runpy, sys; sys.modules['fastpipe'] = None; script = sys.argv[1]; sys.argv = sys.argv[1:]; "
+            "runpy.run_path(script, run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", code, str(script), *photos], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = list(csv.DictReader(io.StringIO(done.stdout)))
+    p = Predictor(onnx)
+    want = p.predict(photos)
+    assert [r["predicted"] for r in rows] == [w.label for w in want] and len(rows) == len(photos) > 10
+    assert max(abs(float(r[c]) - w.scores[c]) for r, w in zip(rows, want) for c in p.classes) < 1e-3
+    ours = p.inputs(photos).cpu().numpy().astype(int)
+    theirs = runpy.run_path(str(script))["prepare"](photos).astype(int)
+    assert theirs.shape == ours.shape and np.percentile(np.abs(theirs - ours), 99.9) <= 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -22,7 +23,7 @@ from fastpipe import __version__
 from fastpipe.errors import DataError, MissingDependency
 from fastpipe.predict.config import ExportConfig
 from fastpipe.predict.model import EXPORT_FORMAT, EXPORT_VERSION, file_sha256, sidecar, trained_network
-from fastpipe.util import write_json_atomic
+from fastpipe.util import atomic_write_text, write_json_atomic
 
 MAX_BATCH = 4096
 TOLERANCE = 1e-4  # probabilities: the exported graph against the network in PyTorch
@@ -69,9 +70,24 @@ def export(cfg: ExportConfig, log=print) -> Path:
 
         trust.remember(record["export"]["sha256"])  # this user's export: predict loads it without being told
     write_json_atomic(sidecar(out), record)
+    atomic_write_text(standalone_path(out), standalone(card, out.name))
     log(f"exported {source} to {out} (input: uint8 RGB NCHW, {size}x{size}; output: probabilities of "
-        f"{len(card['classes'])} classes) and {sidecar(out).name}")
+        f"{len(card['classes'])} classes), {sidecar(out).name} and {standalone_path(out).name} (the preparation "
+        f"without fastpipe)")
     return out
+
+
+def standalone_path(out: Path) -> Path:
+    return out.with_name(f"{out.stem}.prepare.py")
+
+
+def standalone(card: dict, model_name: str) -> str:
+    """standalone.py with this model's record and file name in it (as Python literals: names are data, not code)."""
+    from fastpipe.predict import standalone as template
+
+    text = Path(template.__file__).read_text(encoding="utf-8")
+    text = text.replace('CARD = json.loads("{}")', f"CARD = json.loads({json.dumps(card)!r})", 1)
+    return text.replace('MODEL = ""', f"MODEL = {model_name!r}", 1)
 
 
 def _checkable(tmp: Path) -> None:
@@ -137,6 +153,8 @@ def prepare_steps(card: dict) -> list[str]:
               f"1/8 that keeps the box at least {size} px (the scaled size rounded up, the box's corners scaled and "
               f"rounded); the box is resized to {size}x{size} with OpenCV, INTER_AREA when it is at least {2 * size} "
               f"px a side, else INTER_LINEAR; uint8 RGB, channels first",
+              "MODEL.prepare.py beside the model does all of this with NumPy, Pillow and OpenCV (prepare(paths), "
+              "classify(paths), or run it with photo paths); "
               "these steps followed with Pillow, NumPy and OpenCV give fastpipe's pixels exactly while the box is "
               "under twice the image size; where validation decodes DCT-scaled, fastpipe's crop decoder "
               "(libjpeg-turbo, the box alone) and Pillow's scaled decode differ by a few grey levels: for the exact "
