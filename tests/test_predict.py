@@ -678,7 +678,8 @@ def test_an_export_never_writes_through_a_link_beside_its_file(trained, tmp_path
     (tmp_path / ".m.tmp.pt2").symlink_to(other)
     assert main(["export", str(trained[2]), str(tmp_path / "m.pt2")]) == 0
     assert other.read_text() == "keep me" and zipfile.is_zipfile(tmp_path / "m.pt2")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".m.tmp.pt2", "m.pt2", "m.pt2.json", "other.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".m.tmp.pt2", "m.prepare.py", "m.pt2", "m.pt2.json",
+                                                          "other.txt"]
 
 
 def test_a_timm_model_trains_predicts_and_exports_with_validations_answers(trained, tmp_path):
