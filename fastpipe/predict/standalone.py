@@ -50,6 +50,7 @@ def _short(w: int, h: int, short: int) -> tuple:
 
 def _rgb(im: Image.Image) -> Image.Image:
     """Any mode to RGB: 16-bit and float values scaled (not clipped), transparency flattened onto white."""
+    # convert/images.to_rgb, copied: this file imports nothing of fastpipe (test_predict checks they agree)
     if im.mode == "RGB":
         return im
     if im.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
