@@ -53,7 +53,11 @@ def test_a_plain_dataloader_that_cannot_keep_up_is_loader_bound_without_stages()
 @pytest.fixture
 def slow_decode(monkeypatch):
     """Each sample's decode takes 30 ms longer: the stand-in for a slow stage, whatever this CPU's speed (a busy
-    machine's stalls of a worker process in its first reads stay well below it)."""
+    machine's stalls of a worker process in its first reads stay well below it). Worker processes are forked, so
+    that they have it too (with DALI imported they would start from a clean forkserver)."""
+    from fastpipe.loaders import stream
+
+    monkeypatch.setattr(stream, "_worker_context", lambda: None)
     real = CpuDecode._decode
 
     def slowed(self, *args):
@@ -148,8 +152,24 @@ def training_steps(n: int, keep_graphs: bool, batch: int = 128):
     return w.summary()["memory"], found_at, [str(c.message) for c in caught]
 
 
+def in_a_fresh_process(steps: int, keep_graphs: bool):
+    """training_steps in a new Python process, as a training script starts: this one's heap, after hundreds of
+    tests, makes glibc's count slow enough that the watch reads it less often."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_watch as t; "
+            "print(json.dumps(t.training_steps(int(sys.argv[2]), sys.argv[3] == 'keep')))")
+    done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(steps),
+                           "keep" if keep_graphs else "drop"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def test_a_loop_that_keeps_each_steps_graph_is_flagged_with_its_rate():
-    memory, found_at, said = training_steps(400, keep_graphs=True)
+    memory, found_at, said = in_a_fresh_process(400, keep_graphs=True)
     growing = memory["growing"]
     assert growing is not None and found_at is not None and found_at <= 300, (memory, found_at)
     true_rate = 128 * (1024 + 64) * 4  # what each step's graph holds: the input, and the output square() saved
@@ -158,7 +178,7 @@ def test_a_loop_that_keeps_each_steps_graph_is_flagged_with_its_rate():
 
 
 def test_a_flat_loop_is_never_flagged():
-    memory, found_at, said = training_steps(2000, keep_graphs=False)
+    memory, found_at, said = in_a_fresh_process(2000, keep_graphs=False)
     assert memory["growing"] is None and found_at is None and not said, memory
 
 

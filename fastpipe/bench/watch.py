@@ -14,6 +14,7 @@ apart. Any iterable can be watched (a torch DataLoader, a webdataset pipeline): 
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 import warnings
@@ -160,8 +161,9 @@ class Watch:
             return torch.cuda.memory_allocated(self._cuda)
         start = time.perf_counter()
         used = process_memory()
-        if time.perf_counter() - start > 1e-3:  # glibc walks its free chunks: a heap of many costs, so read less often
-            self._memory_every = 64
+        cost, cycle = time.perf_counter() - start, (self.steady[0] + self.steady[1]) / max(self.steady[2], 1)
+        if cost > 1e-4 and cycle > 0:  # glibc walks its free chunks, slow in a heap of many: at most 2 % of a step
+            self._memory_every = max(1, min(256, math.ceil(cost / (0.02 * cycle))))
         return used
 
     def _mark(self, end: bool = False) -> None:
