@@ -65,6 +65,12 @@ def check_torch(gpus: list[str] | None) -> list[Check]:
                             "torch is a CPU build: reinstall a CUDA wheel matching your driver "
                             "(pytorch.org's install selector gives the pip command)" if gpus else
                             "fine without a GPU; on a GPU machine reinstall a CUDA wheel"))
+    elif not gpus:  # works, but several GB of CUDA libraries serve nothing here
+        checks.append(Check("INFO", "torch build", f"{torch.__version__}, CUDA {cuda_build} on a machine without an "
+                            f"NVIDIA GPU", "the CUDA build (about 3 GB with its libraries) is not needed here: "
+                            "scripts/setup.sh installs the CPU build (about 200 MB) where PyTorch's CPU index answers "
+                            "(FASTPIPE_TORCH_CPU_INDEX names a mirror); or pip install torch torchvision --index-url "
+                            "https://download.pytorch.org/whl/cpu"))
     else:
         checks.append(Check("OK", "torch build", f"{torch.__version__}, CUDA {cuda_build}"))
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")

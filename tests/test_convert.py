@@ -747,6 +747,10 @@ def test_doctor_runs_and_reports(capsys):
     assert "torch build" in out and "Pillow" in out and "CPU cores" in out
     if "nvidia-smi not found" in out:  # a machine without a GPU is told one thing, not 'install the driver' too
         assert "install the driver" not in out and "no GPU on this machine" in out
+    import torch
+
+    if "nvidia-smi not found" in out and torch.version.cuda:  # a CUDA build where it serves nothing: said, with the fix
+        assert "is not needed here: scripts/setup.sh installs the CPU build" in out, out
 
 
 def test_doctor_gives_optional_suggestions_as_info_not_warnings(capsys):
