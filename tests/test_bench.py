@@ -371,3 +371,16 @@ def test_a_fresh_process_run_returns_its_json_or_stops_with_its_error():
     assert run_fresh(["-c", "print('progress'); print('{\"img_per_s\": 5}')"], "a run") == {"img_per_s": 5}
     with pytest.raises(SystemExit, match=r"(?s)the shard run failed.*no such folder: /nowhere"):
         run_fresh(["-c", "raise FileNotFoundError('no such folder: /nowhere')"], "the shard run")
+
+
+def test_rows_within_each_others_noise_are_no_difference():
+    """threads=False named best at 21.4 img/s against threads=True's 20.5, windows overlapping: no difference."""
+    rows = [_row("torch", 2, 400, 30, 21.4, 0.01), _row("torch", 2, 400, 30, 20.5, 0.01)]
+    rows[0]["config"]["threads"], rows[1]["config"]["threads"] = False, True
+    rows[0]["end_to_end"] = {**rows[0]["end_to_end"], "low": 20.1, "high": 22.0}
+    rows[1]["end_to_end"] = {**rows[1]["end_to_end"], "low": 19.8, "high": 21.2}
+    text = table({"rows": rows, "sweep": {"threads": ["False", "True"]}, "best": rows[0]["config"]})
+    assert "best configuration: no difference between threads=False" in text and "threads=True" in text, text
+    rows[1]["end_to_end"] = {**rows[1]["end_to_end"], "low": 15.0, "high": 16.0}  # clearly apart: a best one
+    text = table({"rows": rows, "sweep": {"threads": ["False", "True"]}, "best": rows[0]["config"]})
+    assert "best configuration: threads=False (21.4 img/s" in text and "no difference" not in text, text

@@ -63,7 +63,11 @@ def _best_line(best: dict, rows: list[dict], swept: list[str]) -> str:
     close = [label(r, swept) for r in others if r["end_to_end"]["high"] >= e["low"]]
     if any(len(r["end_to_end"]["windows"]) < 2 for r in (best, *others)):  # no spread to tell noise by
         return line + "; from single windows, whose noise is not measured: a difference of a few percent may be noise"
-    return line + (f"; within the noise of {', '.join(close)}" if close else "")
+    if close:  # a difference smaller than the spread of the windows is none
+        return (f"best configuration: no difference between {label(best, swept)} ({e['img_per_s']:,.1f} img/s end to "
+                f"end, windows {e['low']:,.1f}-{e['high']:,.1f}) and {', '.join(close)}: their windows overlap, the "
+                f"gap is within the measurements' noise")
+    return line
 
 
 def write_json(result: dict, path: str) -> None:
