@@ -135,7 +135,8 @@ def _cmd_memory(a) -> int:
 def _cmd_runs(a) -> int:
     from fastpipe.train.runs import format_runs, list_runs
 
-    print(format_runs(list_runs(local_path(a.root, "runs folder"))))
+    columns = [c.strip() for c in a.columns.split(",") if c.strip()] if a.columns is not None else None
+    print(format_runs(list_runs(local_path(a.root, "runs folder"), columns)))
     return 0
 
 
@@ -250,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
                 help="write a trained run as one ONNX or torch.export file (uint8 in, probabilities out)")
     p = sub.add_parser("runs", help="list training runs side by side")
     p.add_argument("root", nargs="?", default="runs")
+    p.add_argument("--columns", default=None, help="settings to show, comma-separated (default: those that differ "
+                                                  "between the runs listed), e.g. image_size,lr,augment")
     p.set_defaults(func=_cmd_runs, interrupt_hint="")
     p = sub.add_parser("doctor", help="check torch, CUDA, DALI, Pillow and shared memory on this machine")
     p.set_defaults(func=_cmd_doctor, interrupt_hint="")

@@ -823,3 +823,21 @@ def test_resume_under_torchrun_with_another_process_count(converted, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     steps = _steps(out)
     assert steps == sorted(set(steps)) and [m["epoch"] for m in epochs(out)] == [0, 1, 2]
+
+
+def test_runs_shows_the_settings_that_tell_runs_apart(tmp_path, capsys):
+    """Two runs differing in image size and learning rate: those columns are shown, the settings they share are
+    not; --columns chooses."""
+    from fastpipe.cli import main
+
+    for name, size, lr in (("a", 224, 0.1), ("b", 160, 0.05)):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "config.json").write_text(json.dumps({"train": {
+            "model": "resnet18", "batch_size": 64, "image_size": size, "lr": lr, "seed": 0, "out": f"runs/{name}"}}))
+    assert main(["runs", str(tmp_path / "runs")]) == 0
+    head, a, b = capsys.readouterr().out.splitlines()
+    assert "image_size" in head and "lr" in head and "seed" not in head and "out" not in head.split()
+    assert "224" in a and "0.1" in a and "160" in b and "0.05" in b
+    assert main(["runs", str(tmp_path / "runs"), "--columns", "seed"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert "seed" in head and "image_size" not in head

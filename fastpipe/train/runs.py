@@ -177,20 +177,36 @@ def _read_json(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def list_runs(root: Path) -> list[dict]:
+SHOWN = ("model", "backend", "amp", "batch_size")  # settings every listing shows
+UNCOMPARED = ("out", "resume", "log_every", "stop_after", "save_every")  # not what tells one run's result from another
+
+
+def list_runs(root: Path, columns: list[str] | None = None) -> list[dict]:
+    """A row per run folder: its settings that differ between the runs listed (or `columns`, settings by name),
+    then its results."""
     if not Path(root).is_dir():
         raise RunError(f"{root}: no such folder of runs (runs are written to runs/<time>-<model> or --out)")
+    runs = [(folder, _read_json(folder / "summary.json"), _read_json(folder / "config.json").get("train") or {})
+            for folder in sorted(p for p in Path(root).iterdir() if (p / "config.json").exists())]
+    settings = [{k: v for k, v in t.items() if isinstance(k, str)} for _, _, t in runs]
+    differ = columns if columns is not None else [
+        k for k in sorted({k for t in settings for k in t} - set(SHOWN) - set(UNCOMPARED))
+        if len({json.dumps(t.get(k), sort_keys=True, default=str) for t in settings}) > 1]
     rows = []
-    for folder in sorted(p for p in Path(root).iterdir() if (p / "config.json").exists()):
-        summ = _read_json(folder / "summary.json")
-        t = _read_json(folder / "config.json").get("train") or {}
+    for (folder, summ, t), shown in zip(runs, settings):
         rows.append({"run": folder.name, "model": t.get("model"), "backend": t.get("backend"),
-                     "amp": t.get("amp"), "batch": t.get("batch_size"), "epochs": summ.get("epochs_done"),
+                     "amp": t.get("amp"), "batch": t.get("batch_size"),
+                     **{k: _cell(shown.get(k)) for k in differ}, "epochs": summ.get("epochs_done"),
                      "img/s": summ.get("img_per_s"), "wait%": summ.get("data_wait_pct"),
                      "peak MB": summ.get("peak_mem_mb"),
                      "val acc/mAP": summ.get("best_val_acc") or summ.get("best_val_map"),
                      "minutes": summ.get("minutes"), "status": summ.get("status", "running?")})
     return rows
+
+
+def _cell(value) -> str | None:
+    """A setting as a short cell (a run folder is anyone's to edit: never longer than 24 characters)."""
+    return None if value is None else str(value)[:24]
 
 
 def format_runs(rows: list[dict]) -> str:
