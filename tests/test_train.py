@@ -841,3 +841,15 @@ def test_runs_shows_the_settings_that_tell_runs_apart(tmp_path, capsys):
     assert main(["runs", str(tmp_path / "runs"), "--columns", "seed"]) == 0
     head = capsys.readouterr().out.splitlines()[0]
     assert "seed" in head and "image_size" not in head
+
+
+def test_no_validation_mistakes_is_said_and_leaves_no_stale_picture(tmp_path):
+    """A run whose last epoch made no mistakes: errors.csv lists none, an earlier errors.jpg goes, and a line says
+    why there is no picture."""
+    from fastpipe.train.errors import write_errors
+
+    (tmp_path / "errors.jpg").write_bytes(b"an earlier run's")
+    said = write_errors(tmp_path, [], None, ["a", "b"])
+    assert "no validation mistakes" in said and not (tmp_path / "errors.jpg").exists()
+    assert (tmp_path / "errors.csv").read_text().splitlines() == [
+        "rank,confidence,label,predicted,source,shard,sample"]

@@ -24,16 +24,22 @@ def _names(e: dict, classes) -> tuple[str, str]:
     return classes[e["label"]], classes[e["predicted"]]
 
 
-def write_errors(run: Path, errors: list[dict], shards, classes) -> None:
-    """errors: dicts with confidence, predicted, label, key, source, id (Trainer.evaluate)."""
+def write_errors(run: Path, errors: list[dict], shards, classes) -> str | None:
+    """errors: dicts with confidence, predicted, label, key, source, id (Trainer.evaluate). With none, errors.csv
+    lists none, an earlier errors.jpg is removed, and the line to say so is returned."""
     buf = io.StringIO()
     w = csv.writer(buf)
     w.writerow(["rank", "confidence", "label", "predicted", "source", "shard", "sample"])
     for r, e in enumerate(errors, 1):
         w.writerow([r, f"{e['confidence']:.4f}", *_names(e, classes), e["source"] or "", e["shard"], e["sample"]])
     atomic_write_text(run / "errors.csv", buf.getvalue())
-    if shards is not None and errors:
+    if not errors:
+        (run / "errors.jpg").unlink(missing_ok=True)  # an earlier epoch's or run's: not this one's
+        return (f"no validation mistakes in the last epoch: {run / 'errors.csv'} lists none, and there is no "
+                f"errors.jpg")
+    if shards is not None:
         error_sheet(run / "errors.jpg", errors, lambda e: shards.sample(e["id"]).image, classes)
+    return None
 
 
 def _clip(text: str, n: int, keep_end: bool = False) -> str:

@@ -304,8 +304,10 @@ def _epochs(trainer: Trainer, run: Run, manifest, train_loader, val_loader, star
     finally:
         if d.main:
             run.finish(_summary(run, cfg, status, time.time() - began, began, start.epoch), manifest.classes)
-            if errors:
-                write_errors(run.path, errors, val_loader.shards, manifest.classes)
+            if errors is not None:  # a validation pass ran
+                said = write_errors(run.path, errors, val_loader.shards, manifest.classes)
+                if said:
+                    print(said)
     return run.path
 
 
