@@ -80,6 +80,36 @@ def test_short_run_learns_and_records_everything(converted, tmp_path):
     assert rows[0]["run"] == "a" and "val acc" in format_runs(rows)
 
 
+def test_an_epoch_trained_beside_busy_programs_is_said_to_be_disturbed(converted, tmp_path, capsys):
+    """Epochs swung 6x with the same settings while other programs ran, without a word: an epoch measured while
+    others took a fifth of the CPU or more says so, as bench does, and leaves the run's speed figure."""
+    import os
+
+    from fastpipe.train.speed import run_speed
+
+    # other programs, not this one's children (a loader's workers are its own): started through a shell that exits
+    spin = f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"
+    busy = [int(subprocess.run(["sh", "-c", spin], capture_output=True, text=True, timeout=60).stdout)
+            for _ in range(os.cpu_count() or 1)]
+    try:
+        run = train(cfg(converted, tmp_path / "runs" / "busy", epochs=1, workers=0))
+    finally:
+        for pid in busy:
+            os.kill(pid, signal.SIGKILL)
+    m = epochs(run)[0]
+    assert m["others_cpu_pct"] >= 20, m["others_cpu_pct"]
+    assert f"img/s (other programs took {m['others_cpu_pct']:.0f}% of the CPU: not this run's speed)" in \
+        capsys.readouterr().out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["img_per_s_disturbed"] is True and summary["disturbed_epochs"] == 1
+    assert "(busy)" in format_runs(list_runs(tmp_path / "runs"))
+    # a quiet epoch beside it is the run's figure; the disturbed one is left out
+    quiet = {"img_per_s": 50.0, "others_cpu_pct": 3.0}
+    assert run_speed([quiet, {"img_per_s": 8.0, "others_cpu_pct": 61.0}]) == {
+        "img_per_s": 50.0, "disturbed_epochs": 1, "img_per_s_disturbed": False}
+    assert run_speed([quiet, {"img_per_s": 8.0, "others_cpu_pct": "61"}])["disturbed_epochs"] == 0  # edited: no
+
+
 def test_the_pictures_start_rates_at_zero_and_give_each_class_its_count():
     """The throughput axis ran 74.8-76.2, so 2 % looked like a jump; a class's bar said 1.00 of 1 image as it would
     of 100."""

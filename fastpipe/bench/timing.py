@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 
+from fastpipe.loaders.stats import OthersClock
 from fastpipe.util import Ticker
 
 
@@ -170,15 +171,12 @@ class Utilisation(Ticker):
         psutil.cpu_percent(None)  # the first call only starts psutil's interval
 
     def __enter__(self):
-        self._start = (time.perf_counter(), _busy_seconds(), _own_seconds())
+        self._others = OthersClock()
         return super().__enter__()
 
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
-        wall, busy, own = (b - a for a, b in zip(self._start, (time.perf_counter(), _busy_seconds(), _own_seconds())))
-        import psutil
-
-        self.others = max(0.0, busy - own) / max(wall * (psutil.cpu_count() or 1), 1e-9)  # share of the machine
+        self.others = self._others.share()
 
     def _sample(self) -> None:
         import psutil
@@ -193,23 +191,3 @@ class Utilisation(Ticker):
         avg = lambda xs: round(sum(xs) / len(xs), 1) if xs else None  # noqa: E731
         return {"cpu_pct": avg(self.cpu), "gpu_pct": avg(self.gpu),
                 "others_cpu_pct": round(100 * getattr(self, "others", 0.0), 1)}
-
-
-def _busy_seconds() -> float:
-    """CPU seconds the whole machine has been busy (all cores)."""
-    import psutil
-
-    t = psutil.cpu_times()
-    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
-
-
-def _own_seconds() -> float:
-    """CPU seconds of this process and its live children (loader workers): ours, not other work's."""
-    import psutil
-
-    me = psutil.Process()
-    total = sum(me.cpu_times()[:4])  # with children that ended (reaped): theirs too
-    for child in me.children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            total += sum(child.cpu_times()[:2])
-    return total

@@ -4,14 +4,13 @@ harness.py's."""
 
 from __future__ import annotations
 
-from fastpipe.loaders.stats import WAIT_BOUND, WAIT_FREE, WORKER_STAGES, leading_stage
+from fastpipe.loaders.stats import BUSY_SHARE, WAIT_BOUND, WAIT_FREE, WORKER_STAGES, leading_stage
 from fastpipe.util import usable_cores
 
 MIN_STEPS, MIN_SECONDS = 5, 0.1  # what a measurement must time to carry a verdict
 LOADER_SECONDS = 1.0  # ... and a loader alone at least this long: its first batches may come from its queues
 VERDICTS = ("loader-bound", "device-bound", "balanced")
 AGREE = 1.15  # end to end may beat a single measurement's fastest window by this much (noise), not more
-BUSY_SHARE = 0.2  # other processes took a fifth of the machine's CPU: said beside the verdict
 DEVICE_BOUND = 0.90  # end to end within 10 % of the model-only rate: the device is the limit
 LOADER_BOUND = 0.85  # end to end at >= 85 % of the loader-only rate, and well below the model: the loader
 SHARED = 0.6  # ... and end to end at 60 % of model-only or more; further below, loader and model compete

@@ -3,10 +3,13 @@ training loop's wait for data gives (the thresholds `fastpipe bench` and `fastpi
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import asdict, dataclass, field
 
 WAIT_BOUND = 0.5  # half of every step spent waiting for data: the loader holds training back
 WAIT_FREE = 0.1  # under a tenth of each step waiting: the loader is not what holds training back
+BUSY_SHARE = 0.2  # other processes took a fifth of the machine's CPU: the figures are not this setup's speed
 
 
 @dataclass
@@ -66,3 +69,37 @@ def leading_stage(per_image: dict[str, float], workers: int) -> str | None:
 def wait_verdict(wait_share: float) -> str:
     """loader-bound, balanced or device-bound, from the share of each step spent waiting for data."""
     return "loader-bound" if wait_share >= WAIT_BOUND else "device-bound" if wait_share < WAIT_FREE else "balanced"
+
+
+class OthersClock:
+    """The share of the machine's CPU that other processes took since it started (the machine's busy time less this
+    process's and its children's): what tells a figure disturbed by other work from one of this setup."""
+
+    def __init__(self):
+        self._start = (time.perf_counter(), _busy_seconds(), _own_seconds())
+
+    def share(self) -> float:
+        import psutil
+
+        wall, busy, own = (b - a for a, b in zip(self._start, (time.perf_counter(), _busy_seconds(), _own_seconds())))
+        return max(0.0, busy - own) / max(wall * (psutil.cpu_count() or 1), 1e-9)
+
+
+def _busy_seconds() -> float:
+    """CPU seconds the whole machine has been busy (all cores)."""
+    import psutil
+
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+
+def _own_seconds() -> float:
+    """CPU seconds of this process and its live children (loader workers): ours, not other work's."""
+    import psutil
+
+    me = psutil.Process()
+    total = sum(me.cpu_times()[:4])  # with children that ended (reaped): theirs too
+    for child in me.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            total += sum(child.cpu_times()[:2])
+    return total

@@ -151,13 +151,12 @@ def prepare_steps(card: dict) -> list[str]:
               f"x0 = round((w - side) / 2), x1 = round((w + side) / 2), y0, y1 alike, at least 1 px each way; when "
               f"the box is at least {2 * size} px a side the JPEG is decoded DCT-scaled by the largest 1/2, 1/4, "
               f"1/8 that keeps the box at least {size} px (the scaled size rounded up, the box's corners scaled and "
-              f"rounded); the box is resized to {size}x{size} with OpenCV, INTER_AREA when it is at least {2 * size} "
-              f"px a side, else INTER_LINEAR; uint8 RGB, channels first",
-              "MODEL.prepare.py beside the model does all of this with NumPy, Pillow and OpenCV (prepare(paths), "
-              "classify(paths), or run it with photo paths); "
-              "these steps followed with Pillow, NumPy and OpenCV give fastpipe's pixels exactly while the box is "
-              "under twice the image size; where validation decodes DCT-scaled, fastpipe's crop decoder "
-              "(libjpeg-turbo, the box alone) and Pillow's scaled decode differ by a few grey levels: for the exact "
-              "pixels in every "
-              "case, fastpipe.Predictor(...).inputs(...) or `fastpipe predict`"]
+              f"rounded); the box is resized to {size}x{size} with OpenCV, INTER_AREA (area averaging) when it is "
+              f"at least {2 * size} px a side, else INTER_LINEAR (half-pixel centres, edges clamped, weights in "
+              f"1/2048); uint8 RGB, channels first",
+              "MODEL.prepare.py beside the model does all of this with NumPy and Pillow (prepare(paths), "
+              "classify(paths), or run it with photo paths); with OpenCV installed for the last resize it gives "
+              "fastpipe's pixels exactly (Pillow's draft((w // d, h // d)) asks for scale 1/d), without OpenCV "
+              "its NumPy filters are within 1 grey level; for fastpipe's own pixels, "
+              "fastpipe.Predictor(...).inputs(...) or `fastpipe predict`"]
     return steps

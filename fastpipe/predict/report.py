@@ -22,7 +22,7 @@ def report(output, out: Path) -> list[str]:
         _single(labels, scores, len(classes))
     errors = output.errors()
     write_json_atomic(_beside(out, "report.json"), {
-        **figures, "photos": len(labels), "classes": classes, "model": output.model.source,
+        **_named(figures), "photos": len(labels), "classes": classes, "model": output.model.source,
         "errors": [{k: e[k] for k in ("source", "label", "predicted", "confidence")} for e, _ in errors]})
     from fastpipe.train.errors import error_sheet
     from fastpipe.train.plots import confusion_png, per_class_png
@@ -38,6 +38,11 @@ def report(output, out: Path) -> list[str]:
         error_sheet(pictures[-1], [e for e, _ in errors], lambda e: images[id(e)], classes)
     return [_headline(figures, len(labels), classes), f"report: {_beside(out, 'report.json')}; pictures: "
             + ", ".join(p.name for p in pictures)]
+
+
+def _named(figures: dict) -> dict:
+    """The figures named for the photos predicted, not for a validation split: accuracy, map, exact_match..."""
+    return {("accuracy" if k == "val_acc" else k.removeprefix("val_")): v for k, v in figures.items()}
 
 
 def _single(labels: torch.Tensor, scores: torch.Tensor, k: int) -> dict:

@@ -1,7 +1,7 @@
-"""Photos prepared as this model's training photos were, and classified, without fastpipe: NumPy and Pillow, OpenCV
-for the exact validation resize, ONNX Runtime (a .onnx) or torch (a .pt2) for the model. `fastpipe export` writes
-this file beside the model as MODEL.prepare.py, with the model's record in CARD; it is also the specification of
-each step, in code.
+"""Photos prepared as this model's training photos were, and classified, without fastpipe: NumPy and Pillow (OpenCV
+for the validation resize where installed, else the same filters in NumPy), ONNX Runtime (a .onnx) or torch (a
+.pt2) for the model. `fastpipe export` writes this file beside the model as MODEL.prepare.py, with the model's
+record in CARD; it is also the specification of each step, in code.
 
     python MODEL.prepare.py PHOTO...    one CSV row per photo: path, predicted, probability, then every class's
     import runpy; ns = runpy.run_path("MODEL.prepare.py"); ns["prepare"](paths)  # uint8 NCHW, what the graph takes
@@ -74,16 +74,43 @@ def validation(jpeg: bytes) -> np.ndarray:
     if im.format == "JPEG" and min(x1 - x0, y1 - y0) >= 2 * size:  # decoded DCT-scaled, the box still >= size
         need = (math.ceil(w * size / (x1 - x0)), math.ceil(h * size / (y1 - y0)))
         d = next(d for d in (8, 4, 2, 1) if -(-w // d) >= need[0] and -(-h // d) >= need[1])
-        im.draft("RGB", (-(-w // d), -(-h // d)))
+        im.draft("RGB", (w // d, h // d))  # Pillow picks the largest 1/d with w // (asked) >= d: exactly this d
     a = np.asarray(im.convert("RGB"))
     sx, sy = a.shape[1] / w, a.shape[0] / h
     box = np.ascontiguousarray(a[round(y0 * sy) : round(y1 * sy), round(x0 * sx) : round(x1 * sx)])
     try:
         import cv2
-    except ImportError:  # Pillow's bilinear instead of OpenCV's filters: a few grey levels off
-        return np.asarray(Image.fromarray(box).resize((size, size), Image.Resampling.BILINEAR))
+    except ImportError:
+        return resize(box, size)
     shrink = min(box.shape[:2]) >= 2 * size
     return cv2.resize(box, (size, size), interpolation=cv2.INTER_AREA if shrink else cv2.INTER_LINEAR)
+
+
+def resize(box: np.ndarray, size: int) -> np.ndarray:
+    """OpenCV's resize as the loader calls it, in NumPy: area averaging when the box is at least twice the output
+    (INTER_AREA), else bilinear with half-pixel centres and clamped edges (INTER_LINEAR, its weights rounded to
+    1/2048 as OpenCV's are for 8-bit photos); each output pixel rounded half up."""
+    shrink = min(box.shape[:2]) >= 2 * size
+    wy, wx = (_area(n, size) if shrink else _linear(n, size) for n in box.shape[:2])
+    out = np.tensordot(wy, np.tensordot(wx, box.astype(np.float64), axes=(1, 1)), axes=(1, 1))
+    return np.clip(np.floor(out + 0.5), 0, 255).astype(np.uint8)
+
+
+def _area(n: int, size: int) -> np.ndarray:
+    """(size, n): output pixel i averages input [i*n/size, (i+1)*n/size), each input pixel by its overlap."""
+    edges, j = np.arange(size + 1) * (n / size), np.arange(n)
+    return np.clip(np.minimum(edges[1:, None], j + 1) - np.maximum(edges[:-1, None], j), 0, None) * (size / n)
+
+
+def _linear(n: int, size: int) -> np.ndarray:
+    """(size, n): output pixel i at input (i + 0.5) * n / size - 0.5, between its two neighbours."""
+    x = (np.arange(size) + 0.5) * (n / size) - 0.5
+    x0 = np.floor(x).astype(int)
+    f = np.where(x0 < 0, 0.0, np.round((x - x0) * 2048) / 2048)
+    w, rows = np.zeros((size, n)), np.arange(size)
+    np.add.at(w, (rows, np.clip(x0, 0, n - 1)), 1 - f)
+    np.add.at(w, (rows, np.clip(x0 + 1, 0, n - 1)), f)
+    return w
 
 
 def prepare(paths) -> np.ndarray:

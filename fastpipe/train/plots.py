@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fastpipe.train import speed
 from fastpipe.util import atomic_write_bytes
 
 
@@ -50,6 +51,9 @@ def curves_figure(metrics: list[dict]):
     title = "validation mAP" if score == "val_map" else "validation accuracy"
     axes[1].set_title(title if val else f"{title} (no val split)")
     axes[2].plot(ep, [m["img_per_s"] for m in metrics], "o-", color="tab:purple", label="images/s")
+    busy = [(e, m["img_per_s"]) for e, m in zip(ep, metrics) if speed.busy(m)]
+    if busy:  # hollow: other programs took a fifth of the CPU or more, not the run's own speed
+        axes[2].plot(*zip(*busy), "o", mfc="white", color="tab:purple", label="other programs busy")
     ax2 = axes[2].twinx()
     ax2.bar(ep, [100 * m["data_wait"] for m in metrics], alpha=0.25, color="tab:red", label="data wait %")
     ax2.set_ylim(0, 100)

@@ -197,11 +197,17 @@ def list_runs(root: Path, columns: list[str] | None = None) -> list[dict]:
         rows.append({"run": folder.name, "model": t.get("model"), "backend": t.get("backend"),
                      "amp": t.get("amp"), "batch": t.get("batch_size"),
                      **{k: _cell(shown.get(k)) for k in differ}, "epochs": summ.get("epochs_done"),
-                     "img/s": summ.get("img_per_s"), "wait%": summ.get("data_wait_pct"),
+                     "img/s": _speed(summ), "wait%": summ.get("data_wait_pct"),
                      "peak MB": summ.get("peak_mem_mb"),
                      "val acc/mAP": summ.get("best_val_acc") or summ.get("best_val_map"),
                      "minutes": summ.get("minutes"), "status": summ.get("status", "running?")})
     return rows
+
+
+def _speed(summ: dict):
+    """images/s, marked where every epoch was measured while other programs took a fifth of the CPU or more."""
+    v = summ.get("img_per_s")
+    return f"{v:,.1f} (busy)" if isinstance(v, (int, float)) and summ.get("img_per_s_disturbed") is True else v
 
 
 def _cell(value) -> str | None:

@@ -20,6 +20,7 @@ from fastpipe import __version__
 from fastpipe.dataset.manifest import load
 from fastpipe.errors import ConfigError
 from fastpipe.loaders import LoaderConfig, make_loader_from
+from fastpipe.loaders.stats import OthersClock
 from fastpipe.options import amp_for, check_number, normalization, normalize_text
 from fastpipe.train.config import RESUMABLE_CHANGES, TrainConfig, image_size_for_epoch, resumed_config
 from fastpipe.train.distributed import distributed
@@ -27,6 +28,7 @@ from fastpipe.train.errors import write_errors
 from fastpipe.train.loop import Dist, EpochProgress, Trainer, TrainingStopped, make_optimizer, make_schedule
 from fastpipe.train.models import build_model, weights_normalization
 from fastpipe.train.runs import Run, RunError, default_run_dir
+from fastpipe.train.speed import disturbed, run_speed
 
 OOM_ADVICE = ("CUDA ran out of memory. Lower --batch-size (and keep the effective batch with --accum-steps), "
               "use --amp fp16 or bf16, --checkpoint-activations, or a smaller --image-size; "
@@ -254,7 +256,7 @@ def _report(cfg: TrainConfig, m: dict, epoch: int, size: int) -> None:
     print(f"epoch {epoch + 1}/{cfg.epochs}  size {size}  loss {m['train_loss']:.3f}  "
           + (f"val acc {m['val_acc']:.3f}  " if "val_acc" in m else "")
           + (f"val mAP {m['val_map']:.3f} (exact {m['val_exact_match']:.3f})  " if "val_map" in m else "")
-          + f"{m['img_per_s']:.0f} img/s  data wait {100 * m['data_wait']:.0f}% ({_loader_words(m)})"
+          + f"{m['img_per_s']:.0f} img/s{disturbed(m)}  data wait {100 * m['data_wait']:.0f}% ({_loader_words(m)})"
           + (f"  peak {m['peak_mem_mb']:.0f} MB" if m["peak_mem_mb"] else ""))
 
 
@@ -272,8 +274,9 @@ def _epochs(trainer: Trainer, run: Run, manifest, train_loader, val_loader, star
                     loader.load_state_dict(start.loader)
                 except ConfigError as e:
                     raise RunError(f"{run.checkpoint_path}: {e}; start a new run with another --out") from None
+            others = OthersClock()
             m = {"kind": "epoch", "epoch": epoch, "image_size": size, **trainer.train_epoch(loader, epoch, resumed),
-                 "global_step": trainer.global_step}
+                 "global_step": trainer.global_step, "others_cpu_pct": round(100 * others.share(), 1)}
             if d.main:
                 run.save(trainer.state(epoch))  # the epoch is trained: saved before evaluating it
             if val_loader is not None:
@@ -325,7 +328,7 @@ def _summary(run: Run, cfg: TrainConfig, status: str, seconds: float, began: flo
              "final_exact_match": maps[-1]["val_exact_match"], "threshold": maps[-1]["threshold"]} if maps else {}
     return {"status": status, "epochs_done": len(ms), "best_val_acc": max(accs, default=None),
             "final_val_acc": accs[-1] if accs else None, **multi,
-            "img_per_s": sum(m["img_per_s"] for m in ms) / len(ms) if ms else None,
+            **run_speed(ms),
             "data_wait_pct": 100 * sum(m["data_wait"] for m in ms) / len(ms) if ms else None,
             "peak_mem_mb": max((m["peak_mem_mb"] or 0 for m in ms), default=None) or None,
             "minutes": sum(float(h.get("seconds") or 0) for h in history) / 60, "model": cfg.model,
