@@ -147,6 +147,13 @@ if [ ${#need[@]} -gt 0 ] && command -v apt-get >/dev/null; then
 fi
 step "fastpipe and its test tools (pip install -e '.[test]'; ~350 MB on a fresh machine: Ray, pyarrow, OpenCV, moto...)" \
   pip_install -e ".[test]"
+# The clone's folder on the import path: a script run from the folder that holds the clone would otherwise import
+# the clone (a folder named fastpipe, no __init__.py) as an empty namespace package before the editable install's
+# finder is asked ("cannot import name 'Predictor' from 'fastpipe' (unknown location)").
+if [ "$PLAN" = 0 ]; then
+  site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+  printf '%s\n' "$PWD" > "$site/fastpipe-source.pth"
+fi
 
 # DALI whose CUDA major matches torch's (torch 2.14.1 is a cu130 build → nvidia-dali-cuda130). Kept on a machine
 # without a GPU too: its CPU pipeline is one of the loader backends, and the tests run it.

@@ -132,3 +132,16 @@ def test_an_unknown_option_is_refused_naming_the_valid_ones(tmp_path):
     r = subprocess.run([BASH, str(SETUP), "--cpu-only"], capture_output=True, text=True, timeout=30,
                        env={**os.environ, "FASTPIPE_TORCH_CPU_INDEX": "http://127.0.0.1:9/"})
     assert r.returncode == 2 and "unknown option --cpu-only (valid: --gpu, --pillow-simd, --plan)" in r.stderr
+
+
+def test_a_script_run_beside_the_clone_imports_the_installed_package(tmp_path):
+    """Run from the folder that holds the clone (a folder named fastpipe, without __init__.py), a script imported
+    the clone as an empty namespace package: 'cannot import name Predictor from fastpipe (unknown location)'. The
+    environment scripts/setup.sh makes finds the package itself."""
+    import fastpipe
+
+    (tmp_path / "fastpipe").mkdir()  # what the clone looks like from its parent folder
+    done = subprocess.run([sys.executable, "-c", "import fastpipe; from fastpipe import Predictor; "
+                           "print(fastpipe.__file__)"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-1000:]
+    assert done.stdout.strip() == fastpipe.__file__
