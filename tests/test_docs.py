@@ -41,3 +41,21 @@ def test_every_command_shown_parses(page, capsys):
             parser.parse_args(argv)
         except SystemExit:
             pytest.fail(f"{page.name}: `{line}` does not parse: {capsys.readouterr().err.strip()[-300:]}")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_python_example_shown_parses_and_imports_what_exists(page):
+    """Each ```python block is Python, and every name it imports from fastpipe is there."""
+    import ast
+    import importlib
+
+    for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S):
+        try:
+            tree = ast.parse(block)
+        except SyntaxError as e:
+            pytest.fail(f"{page.name}: an example is not Python ({e.msg}, line {e.lineno}):\n{block}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "fastpipe":
+                module = importlib.import_module(node.module)
+                missing = [a.name for a in node.names if not hasattr(module, a.name)]
+                assert not missing, f"{page.name}: `from {node.module} import {', '.join(missing)}` fails"

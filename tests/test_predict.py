@@ -780,3 +780,14 @@ def test_the_exports_prepare_file_feeds_the_model_without_fastpipe(trained, expo
     ours = p.inputs(photos).cpu().numpy().astype(int)
     theirs = np.load(tmp_path / "x.npy").astype(int)
     assert theirs.shape == ours.shape and np.percentile(np.abs(theirs - ours), 99.9) <= 1
+    # the predict guide's example, run as written in that environment
+    guide = (Path(__file__).resolve().parent.parent / "docs" / "guide" / "predict.md").read_text()
+    example = next(b for b in re.findall(r"```python\n(.*?)```", guide, re.S) if "leaves.prepare.py" in b)
+    (tmp_path / "serve" / "new").mkdir(parents=True)
+    shutil.copy(script, tmp_path / "serve" / "leaves.prepare.py")
+    shutil.copy(onnx, tmp_path / "serve" / onnx.name)  # the model the file names, beside it
+    shutil.copy(next(src.rglob("*.jpg")), tmp_path / "serve" / "new" / "leaf1.jpg")
+    shutil.copy(next(src.rglob("*.png")), tmp_path / "serve" / "new" / "leaf2.png")
+    done = subprocess.run([str(python), "-I", "-c", example + "\nprint(batch.shape, probs.shape)"],
+                          cwd=tmp_path / "serve", capture_output=True, text=True, timeout=300)
+    assert done.stdout.split("\n")[-2:] == [f"(2, 3, {ours.shape[-1]}, {ours.shape[-1]}) (1, 3)", ""], done.stderr
