@@ -203,7 +203,7 @@ def check_workers() -> Check:
 
     from fastpipe.loaders import cpu_ops
     from fastpipe.loaders.cpu import releases_gil
-    from fastpipe.loaders.workers import DEFAULT_THREADS_UP_TO, gil_enabled
+    from fastpipe.loaders.workers import DEFAULT_THREADS_UP_TO, STEP_PYTHON, gil_enabled
 
     if not gil_enabled():
         return Check("OK", "loader workers", "threads: this Python runs without the GIL (free-threaded), so every "
@@ -214,8 +214,11 @@ def check_workers() -> Check:
         return Check("OK", "loader workers", f"threads up to {DEFAULT_THREADS_UP_TO} workers: the JPEG decoder "
                      f"({cpu_ops.active().split(';')[0]}) releases the GIL, so threads of the training process decode "
                      f"in parallel: no worker processes, no shared memory{gil}; processes above that (each image "
-                     f"still holds the GIL for a few percent of its time), unless /dev/shm is too small for them "
-                     f"(threads=True/False or --threads on|off chooses; num_workers=\"probe\" measures both)")
+                     f"still holds the GIL for a few percent of its time), unless /dev/shm is too small for them; "
+                     f"processes from the second epoch where the training step keeps its thread busy "
+                     f"{STEP_PYTHON:.0%} of its time or more and still waits for batches (its Python never pausing "
+                     f"holds the GIL the threads need) (threads=True/False/'helper' or --threads on|off|helper "
+                     f"chooses; num_workers=\"probe\" measures both)")
     return Check("OK", "loader workers", f"processes: the Pillow decoder holds the GIL, threads would take turns{gil}",
                  "pip install opencv-python-headless simplejpeg: its decoders release the GIL, and the workers become "
                  "threads (faster, no shared memory)")

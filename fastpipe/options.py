@@ -172,6 +172,16 @@ def parse_onoff(text):
     return {"on": True, "off": False, "auto": None}[text]
 
 
+def parse_threads(text):
+    """--threads: on (threads of the training process), off (processes), helper (threads in one helper process),
+    auto (threads, moved to processes after the first epoch where the training step's Python never pauses)."""
+    if text == "helper":
+        return text
+    if isinstance(text, bool) or text is None or text in ("on", "off", "auto"):
+        return parse_onoff(text)
+    raise ConfigError(f"{text!r}: use on, off, helper or auto")
+
+
 # -- checking a config once, where it is built ------------------------------------------------------------
 def flag_name(name: str, meta=None) -> str:
     """How a user names a setting: its flag (the Python API takes the same name with underscores)."""

@@ -203,16 +203,17 @@ def test_boolean_settings_sweep_like_the_others():
     assert sweep == {"pin_memory": [True, False]} and base["workers"] == 1
 
 
-def test_threads_are_on_off_or_auto_and_bench_sweeps_them(capsys):
+def test_threads_are_on_off_helper_or_auto_and_bench_sweeps_them(capsys):
     from fastpipe.bench.config import BenchConfig, split_sweep
     from fastpipe.cli import build_parser, given
     from fastpipe.train.config import TrainConfig
 
     p = build_parser()
-    typed = [given(p.parse_args(["train", "d", "--threads", v]), TrainConfig)["threads"] for v in ("on", "off", "auto")]
-    assert typed == [True, False, None]
-    assert split_sweep(given(p.parse_args(["bench", "d", "--threads", "on,off"]), BenchConfig))[1] == {
-        "threads": [True, False]}
+    typed = [given(p.parse_args(["train", "d", "--threads", v]), TrainConfig)["threads"]
+             for v in ("on", "off", "auto", "helper")]
+    assert typed == [True, False, None, "helper"]
+    assert split_sweep(given(p.parse_args(["bench", "d", "--threads", "on,off,helper"]), BenchConfig))[1] == {
+        "threads": [True, False, "helper"]}
     with pytest.raises(SystemExit):
         p.parse_args(["train", "d", "--threads", "maybe"])
-    assert "--threads: 'maybe': use on, off or auto" in capsys.readouterr().err
+    assert "--threads: 'maybe': use on, off, helper or auto" in capsys.readouterr().err

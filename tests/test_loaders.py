@@ -535,7 +535,7 @@ class _HandOverFails:
 def test_a_killed_worker_is_named_however_its_death_shows_first():
     import multiprocessing as mp
 
-    from fastpipe.loaders.stream import _deaths_named
+    from fastpipe.loaders.processes import deaths_named as _deaths_named
 
     ctx = mp.get_context("fork")
     gone, stop = ctx.Process(target=lambda: None), ctx.Event()

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -284,3 +285,46 @@ def test_bench_builds_its_loaders_in_the_mode_asked(converted):
     rows = {t: loader(BenchConfig(data=str(converted), device="cpu", workers=2, threads=t, batch_size=8,
                                   image_size=48), m) for t in (True, False)}
     assert rows[True].in_threads and not rows[False].in_threads
+
+
+def test_threads_in_a_helper_process_give_the_same_batches(converted):
+    """threads='helper': the thread pool in one helper process, its batches handed over through shared memory."""
+    kw = {**KW, "seed": 7, "normalize": False, "with_keys": True, "num_workers": 2}
+    helper, threads = make_loader(converted, threads="helper", **kw), make_loader(converted, threads=True, **kw)
+    assert helper.describe()["workers_are"] == "threads in a helper process"
+    for e in (0, 1):
+        _same(_epoch(helper, e), _epoch(threads, e))
+    helper.close()
+
+
+def _spin(ms: float) -> None:
+    end = time.perf_counter() + ms / 1000
+    while time.perf_counter() < end:
+        pass
+
+
+@pytest.mark.skipif(cpu_ops.cv2 is None, reason="needs a decoder that releases the GIL (threads by default)")
+@pytest.mark.parametrize("python_never_pauses", [True, False])
+def test_a_step_whose_python_never_pauses_moves_the_default_to_processes(converted, tmp_path, capfd,
+                                                                          python_never_pauses):
+    """The default's threads share the GIL with the training step: a step that keeps its thread busy (pure Python
+    here) while the loop waits for data (a store's latency here) trains faster with worker processes, from the
+    second epoch on, with the same batches; a step that sleeps (the device working) keeps the threads."""
+    from fastpipe.testing.devserver import Faults, FolderServer
+
+    kw = {**KW, "seed": 3, "normalize": False, "with_keys": True, "num_workers": 2, "batch_size": 8}
+    with FolderServer(converted, Faults(latency=0.05, only=".tar")) as url:
+        loader = make_loader(url, cache_dir=tmp_path / "cache", **kw)
+        assert loader.describe()["workers_are"] == "threads"
+        loader.set_epoch(0)
+        for _ in loader:
+            _spin(12) if python_never_pauses else time.sleep(0.012)
+        share = loader.stats.step_cpu_share()
+        assert (share > 0.8) if python_never_pauses else (share < 0.3), share
+        second = _epoch(loader, 1)
+        want = "processes" if python_never_pauses else "threads"
+        assert loader.describe()["workers_are"] == want
+        loader.close()
+    _same(second, _epoch(make_loader(converted, threads=True, **kw), 1))
+    said = capfd.readouterr().err
+    assert ("worker processes from epoch 2 on" in said) == python_never_pauses, said

@@ -55,9 +55,9 @@ def slow_decode(monkeypatch):
     """Each sample's decode takes 30 ms longer: the stand-in for a slow stage, whatever this CPU's speed (a busy
     machine's stalls of a worker process in its first reads stay well below it). Worker processes are forked, so
     that they have it too (with DALI imported they would start from a clean forkserver)."""
-    from fastpipe.loaders import stream
+    from fastpipe.loaders import processes
 
-    monkeypatch.setattr(stream, "_worker_context", lambda: None)
+    monkeypatch.setattr(processes, "worker_context", lambda: None)
     real = CpuDecode._decode
 
     def slowed(self, *args):

@@ -13,6 +13,7 @@ from fastpipe.options import (
     opt,
     parse_normalize,
     parse_onoff,
+    parse_threads,
     parse_workers,
 )
 from fastpipe.store.urls import check_location
@@ -33,8 +34,9 @@ class BenchConfig:
                           choices=("fp16", "bf16", "off"))
     workers: int | str | None = opt(None, "loader workers: a number, auto or probe", sweep=True, parse=parse_workers,
                                     low=0, high=1024)
-    threads: bool | None = opt(None, "loader workers as threads (on) or processes (off), or auto (threads where the "
-                                     "JPEG decoder releases the GIL)", sweep=True, parse=parse_onoff)
+    threads: bool | str | None = opt(None, "loader workers as threads (on), processes (off), threads in one helper "
+                                           "process (helper), or auto (threads where the JPEG decoder releases the "
+                                           "GIL)", sweep=True, parse=parse_threads)
     pin_memory: bool | None = opt(None, "pinned host memory: on, off, auto", sweep=True, parse=parse_onoff)
     channels_last: bool | None = opt(None, "channels_last memory format (default: on CUDA)")
     augment: str | None = opt(None, "augmentation on the device, as `fastpipe train --augment` (its share of a "

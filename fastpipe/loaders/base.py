@@ -26,7 +26,7 @@ from fastpipe.errors import ConfigError, DataError, FastpipeWarning
 from fastpipe.loaders.batch import HostBatch, SampleKey
 from fastpipe.loaders.config import LoaderConfig
 from fastpipe.loaders.epoch import batches_per_epoch
-from fastpipe.loaders.stats import LoaderStats
+from fastpipe.loaders.stats import LoaderStats, thread_clock
 from fastpipe.options import check_number, normalization
 
 MAX_EPOCH = 1_000_000  # a loader state's epoch beyond this is damage, not a long run
@@ -127,6 +127,7 @@ class Loader:
         self.position = 0  # train: samples of this epoch's sequence the steps so far consumed (epoch.py)
         self._resume: int | None = None  # a loaded position: where the next iteration starts
         self._complete = False  # the last iteration ran to the end of its epoch
+        self.ended: LoaderStats | None = None  # the stats of the last epoch iterated to its end
         self._iterations = 0  # iterations begun: an older one, resumed, is told it was ended
         self.stats = LoaderStats()
         self.normalization = normalization(self.cfg.normalize, manifest.mean, manifest.std)  # None: uint8
@@ -279,7 +280,11 @@ class Loader:
             stats.seconds = time.perf_counter() - start
             if self.cfg.split == "train":
                 self.position += step
+            (ran, ready), t = thread_clock(), time.perf_counter()
             yield (x, y, keys) if self.cfg.with_keys else (x, y)
+            (ran2, ready2), t2 = thread_clock(), time.perf_counter()
+            stats.step_s += max(t2 - t - (ready2 - ready), 0.0)
+            stats.step_cpu_s += ran2 - ran
         stats.seconds = time.perf_counter() - start
         if mine != self._iterations:  # its workers were ended when the newer iteration started
             raise RuntimeError(f"this iteration of the {self.name} loader was ended by a newer one (iter(loader) or "
@@ -287,7 +292,7 @@ class Loader:
         if stats.batches != expected:
             raise RuntimeError(f"{self.name} loader yielded {stats.batches} batches, expected {expected}: "
                                f"a bug in fastpipe's epoch rule, please report it")
-        self._complete = True
+        self._complete, self.ended = True, stats
 
     def close(self) -> None:
         """Release worker processes and pipelines now; the next iteration starts them again."""

@@ -27,8 +27,9 @@ class LoaderConfig:
     num_workers: int | str | None = None
     # The workers are threads of the training process (True) or processes (False). None: threads where the decoder
     # releases the GIL (the torch backend's crop decoder, or simplejpeg + OpenCV; every decoder on free-threaded
-    # Python), else processes; with num_workers="probe", whichever measured faster. See threads.py.
-    threads: bool | None = None
+    # Python), else processes; with num_workers="probe", whichever measured faster. "helper": the threads run in one
+    # helper process (no GIL shared with a training step whose Python never pauses). See threads.py.
+    threads: bool | str | None = None
     rank: int | None = None  # None: from torch.distributed when initialised, else 0
     world_size: int | None = None
     seed: int = 0
@@ -97,9 +98,10 @@ class LoaderConfig:
             from fastpipe.loaders.augment import parse
 
             parse(self.augment)  # refused here, with the valid forms, before anything is built
-        if not isinstance(self.threads, (bool, type(None))):
-            raise ConfigError(f"threads={self.threads!r}: use True (worker threads), False (worker processes) or None "
-                              f"(threads where the decoder releases the GIL)")
+        if not isinstance(self.threads, (bool, type(None))) and self.threads != "helper":
+            raise ConfigError(f"threads={self.threads!r}: use True (worker threads), False (worker processes), "
+                              f"'helper' (threads in one helper process) or None (threads where the decoder releases "
+                              f"the GIL)")
         if self.num_workers is not None and self.num_workers != "probe" and (
                 not is_integer(self.num_workers) or self.num_workers < 0):
             raise ConfigError(f"num_workers={self.num_workers!r}: use a count >= 0 (not True/False), None (cores per "

@@ -27,9 +27,18 @@ class LoaderStats:
     retries: int = 0
     # Seconds per stage, summed over the batches and the workers that made them (STAGES says what each is)
     stages: dict[str, float] = field(default_factory=dict)
+    # The consumer's steps (from handing a batch over to the next request): their wall time less the time the thread
+    # stood ready for a core (other work's), and the time it ran. Their ratio: how much of its step the training
+    # loop's own thread keeps a core, mostly holding the GIL (workers.STEP_PYTHON: threads or processes).
+    step_s: float = 0.0
+    step_cpu_s: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def step_cpu_share(self) -> float | None:
+        """The share of the consumer's steps its thread ran (None before 0.05 s of steps)."""
+        return self.step_cpu_s / self.step_s if self.step_s >= 0.05 else None
 
     def per_image(self) -> dict[str, float]:
         """Seconds per image of each stage, largest first."""
@@ -103,3 +112,14 @@ def _own_seconds() -> float:
         with contextlib.suppress(psutil.Error):
             total += sum(child.cpu_times()[:2])
     return total
+
+
+def thread_clock() -> tuple[float, float]:
+    """(seconds this thread ran, seconds it stood ready for a core) from Linux's schedstat; elsewhere its CPU time and
+    nothing (a busy machine's waits then count as the step's own)."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            ran, ready = f.read(64).split()[:2]
+        return int(ran) / 1e9, int(ready) / 1e9
+    except (OSError, ValueError):
+        return time.thread_time(), 0.0

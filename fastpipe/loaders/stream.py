@@ -24,13 +24,13 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from fastpipe.dataset.manifest import Manifest
 from fastpipe.errors import FastpipeError, FastpipeWarning
-from fastpipe.loaders import cpu_ops
+from fastpipe.loaders import processes
 from fastpipe.loaders.base import Loader
 from fastpipe.loaders.batch import HostBatch
 from fastpipe.loaders.config import LoaderConfig
 from fastpipe.loaders.epoch import TrainOrder, batches_per_epoch, step_slice, val_batches
 from fastpipe.loaders.shards import ShardSet
-from fastpipe.loaders.threads import LoaderThreads
+from fastpipe.loaders.threads import InHelper, LoaderThreads
 
 
 def train_order(shards: ShardSet, cfg: LoaderConfig, manifest: Manifest) -> TrainOrder:
@@ -142,109 +142,6 @@ def _largest_window(shards: ShardSet, batch: int) -> int:
     return max(FETCH_WINDOW, min(MAX_WINDOW, int(room / per_batch)))
 
 
-def _worker_context():
-    """fork (fast, the default) unless this process holds DALI: a forked copy of a DALI pipeline hangs in its
-    destructor when the child's garbage collector meets it (DALI 2.4). Then forkserver: workers fork from a
-    clean server process that has imported this module once."""
-    if "nvidia.dali" not in sys.modules:
-        return None
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
-    return ctx
-
-
-def _dead_workers_at_the_next_batch() -> None:
-    """PyTorch reports a dead worker from a SIGCHLD handler, which raises in whatever the main thread is doing at
-    that moment: a model's forward pass, an optimizer step half applied, a checkpoint being written. Its handler is
-    set once per process; put back the one it replaced, and a dead worker surfaces where it can be handled: in the
-    next batch request (the DataLoader checks its workers every few seconds while it waits for one)."""
-    import signal
-    import threading
-
-    handler = signal.getsignal(signal.SIGCHLD)
-    if threading.current_thread() is not threading.main_thread() or \
-            getattr(handler, "__qualname__", "") != "_set_SIGCHLD_handler.<locals>.handler":
-        return
-    replaced = next((c.cell_contents for c in handler.__closure__ or () if callable(c.cell_contents)), None)
-    signal.signal(signal.SIGCHLD, replaced or signal.SIG_DFL)
-
-
-def _deaths_named(it, bound_s: float = 10.0):
-    """The DataLoader iterator's batches, with a worker's death said as PyTorch says it ("DataLoader worker ...
-    exited unexpectedly") however it shows first. A batch's tensors are handed over by the worker that made it (a
-    file descriptor through the worker's resource sharer): when that worker is killed, receiving the batch can fail
-    (EOFError, a refused connection) before PyTorch can see the process end. PyTorch then raises that error as it is,
-    or, where the batch is received by its pin-memory thread (CUDA), says that thread ended. Whether a worker ended
-    is waited for on the processes' sentinels, at most `bound_s` seconds."""
-    from multiprocessing.connection import wait
-
-    while True:
-        try:
-            batch = next(it)
-        except StopIteration:
-            return
-        except (EOFError, ConnectionError, FileNotFoundError, RuntimeError) as e:
-            if isinstance(e, RuntimeError) and str(e) != "Pin memory thread exited unexpectedly":
-                raise
-            workers = list(getattr(it, "_workers", ()))
-            ended = set(wait([w.sentinel for w in workers], timeout=bound_s)) if workers else set()
-            if not ended:
-                raise
-            pids = ", ".join(str(w.pid) for w in workers if w.sentinel in ended)
-            raise RuntimeError(f"DataLoader worker (pid(s) {pids}) exited unexpectedly") from e
-        yield batch
-
-
-def _worker_init(worker_id: int, main_pid: int) -> None:
-    """DataLoader worker_init_fn: one OpenCV thread, and signals obeyed only from the process that owns us.
-
-    Ctrl-C in a terminal and the SIGTERM of torchrun, Slurm or a `kill -- -PGID` reach the whole process group;
-    a worker dying of it would fail the step the main process is finishing before it saves its checkpoint. So
-    SIGINT is ignored, and SIGTERM is taken by a thread that ends the worker only when the main process sent it
-    (DataLoader's and multiprocessing's own fallback when a worker does not stop in time: ignoring that one hung
-    the interpreter's exit). Workers still exit when the main process dies (DataLoader's watchdog)."""
-    import signal
-    import threading
-
-    cpu_ops.one_thread(worker_id)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if not hasattr(signal, "sigwaitinfo"):  # macOS: SIGTERM keeps its default action
-        return
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # inherited by every thread started from here
-
-    def obey():
-        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != main_pid:
-            pass
-        os._exit(0)
-
-    threading.Thread(target=obey, name="fastpipe-sigterm", daemon=True).start()
-
-
-def _started_holding_sigterm(start):
-    """start() (which forks the worker processes) with SIGTERM held in this thread: a forked worker inherits the mask,
-    so a SIGTERM sent to the process group while it starts (torchrun's, Slurm's) waits until _worker_init has set up
-    who may end it, instead of killing it before. Held here for the fork's few milliseconds, then delivered."""
-    import signal
-
-    if not hasattr(signal, "sigwaitinfo"):  # macOS: _worker_init leaves SIGTERM to its default action there
-        return start()
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    try:
-        return start()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
-
-
-def _stop_workers(ref) -> None:
-    """At interpreter exit, before multiprocessing's own exit handler (which signals workers and waits for them):
-    DataLoader's own shutdown (an event and a sentinel) ends them at once."""
-    loader = ref()
-    if loader is not None:
-        loader.close()
-
-
 class StreamLoader(Loader):
     """Host batches from SampleStream in DataLoader worker processes or worker threads (torch and nvjpeg backends):
     subclasses give the preparation (`make_prepare`) and the device step (`_to_device`)."""
@@ -253,21 +150,51 @@ class StreamLoader(Loader):
         super().__init__(manifest, cfg)
         self.shards = ShardSet(manifest, self.cfg.split)
         order = train_order(self.shards, self.cfg, manifest) if self.cfg.split == "train" else None
-        workers, self.in_threads = self._pick_workers()
+        workers, in_threads = self._pick_workers()
+        self._order = order
+        self._observe = self.cfg.threads is None and in_threads is True and self._may_switch(workers)
+        self._build(workers, in_threads)
+        if self.num_workers > 0:
+            atexit.register(processes.stop_workers, weakref.ref(self))
+
+    def _build(self, workers: int, in_threads: bool | str) -> None:
+        """The sample stream and what runs it: this process's threads, a DataLoader of worker processes, or one of a
+        helper process running the threads."""
+        self.in_threads, self.in_helper = in_threads is True, in_threads == "helper"
         if self.in_threads:  # nothing goes through /dev/shm: the asked prefetch, whatever its size
             self.num_workers, self.prefetch = workers, self.cfg.prefetch_factor
         else:
             self.num_workers, self.prefetch = self._fit_shared_memory(workers)
-        processes = 0 if self.in_threads else self.num_workers
-        self.dataset = SampleStream(self.shards, self.cfg, self.make_prepare(), order, shared=processes > 0)
+        procs = 0 if self.in_threads else 1 if self.in_helper else self.num_workers
+        self.dataset = SampleStream(self.shards, self.cfg, self.make_prepare(), self._order, shared=procs > 0)
         self._threads = None  # this iteration's LoaderThreads
+        given = InHelper(self.dataset, self.num_workers, self.prefetch) if self.in_helper else self.dataset
+        queued = self.num_workers * self.prefetch if self.in_helper else self.prefetch  # what N processes queue
         self.dataloader = None if self.in_threads else DataLoader(
-            self.dataset, batch_size=None, num_workers=processes, pin_memory=self.cfg.pin_memory,
-            persistent_workers=processes > 0, prefetch_factor=self.prefetch if processes > 0 else None,
-            multiprocessing_context=_worker_context() if processes > 0 else None,
-            worker_init_fn=partial(_worker_init, main_pid=os.getpid()))
-        if self.num_workers > 0:
-            atexit.register(_stop_workers, weakref.ref(self))
+            given, batch_size=None, num_workers=procs, pin_memory=self.cfg.pin_memory,
+            persistent_workers=procs > 0, prefetch_factor=queued if procs > 0 else None,
+            multiprocessing_context=processes.worker_context() if procs > 0 else None,
+            worker_init_fn=partial(processes.worker_init, main_pid=os.getpid()))
+
+    def _switch_if_the_step_holds_the_gil(self) -> None:
+        """The default's second look, after an epoch in threads: a training step whose own thread kept a core for
+        most of it (its Python never pausing) leaves the loader's threads little of the GIL; where the loop also
+        waited for batches, worker processes train faster from the next epoch (the same batches, bit for bit)."""
+        from fastpipe.loaders.stats import WAIT_FREE
+        from fastpipe.loaders.workers import STEP_PYTHON
+
+        last = self.ended
+        share = last.step_cpu_share() if last is not None else None
+        if share is None:
+            return
+        self._observe = False
+        waited = last.wait_s / max(last.seconds, 1e-9)  # the loader held the loop back at all
+        if share >= STEP_PYTHON and waited >= WAIT_FREE and self._processes_fit(self.num_workers):
+            self.close()
+            self._build(self.num_workers, False)
+            print(f"fastpipe: the training step kept its thread busy {share:.0%} of its time, holding the GIL the "
+                  f"loader's threads need: worker processes from epoch {self.epoch + 1} on (threads=False or True "
+                  f"decides)", file=sys.stderr)
 
     def make_prepare(self):
         raise NotImplementedError
@@ -301,9 +228,14 @@ class StreamLoader(Loader):
         workers = heuristic_workers(cfg.world_size if self.device.type == "cuda" else 1) \
             if cfg.num_workers is None else cfg.num_workers
         if workers == 0 or cfg.threads is not None:
-            return workers, workers > 0 and bool(cfg.threads)
+            return workers, (cfg.threads if cfg.threads == "helper" else bool(cfg.threads)) if workers > 0 else False
         return workers, self.threads_by_default() and (workers <= DEFAULT_THREADS_UP_TO or not gil_enabled()
                                                         or not self._processes_fit(workers))
+
+    def _may_switch(self, workers: int) -> bool:
+        from fastpipe.loaders.workers import DEFAULT_THREADS_UP_TO, gil_enabled
+
+        return self.cfg.num_workers != "probe" and gil_enabled() and workers <= DEFAULT_THREADS_UP_TO
 
     def _processes_fit(self, workers: int) -> bool:
         """Whether `workers` processes' batches fit in /dev/shm with the asked prefetch."""
@@ -328,9 +260,12 @@ class StreamLoader(Loader):
 
     def describe(self) -> dict:
         return {**super().describe(), "num_workers": self.num_workers, "prefetch_factor": self.prefetch,
-                "workers_are": "threads" if self.in_threads else "processes"}
+                "workers_are": "threads" if self.in_threads else "threads in a helper process" if self.in_helper
+                else "processes"}
 
     def _host_batches(self):
+        if self._observe:
+            self._switch_if_the_step_holds_the_gil()
         self.dataset.epoch[0] = self.epoch
         self.dataset.position[0] = self.position
         if self.in_threads:
@@ -339,6 +274,6 @@ class StreamLoader(Loader):
                 self.shards.remote.counters.take()
             self._threads = LoaderThreads(self.dataset, self.num_workers, self.prefetch)
             return iter(self._threads)
-        it = _started_holding_sigterm(lambda: iter(self.dataloader))
-        _dead_workers_at_the_next_batch()
-        return _deaths_named(it) if self.num_workers else it
+        it = processes.started_holding_sigterm(lambda: iter(self.dataloader))
+        processes.dead_workers_at_the_next_batch()
+        return processes.deaths_named(it) if self.num_workers else it

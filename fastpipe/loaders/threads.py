@@ -31,6 +31,8 @@ import itertools
 import signal
 import threading
 
+from torch.utils.data import IterableDataset
+
 from fastpipe.errors import FastpipeError
 from fastpipe.loaders.batch import HostBatch, set_worker_thread
 
@@ -247,6 +249,18 @@ class LoaderThreads:
                 t.join()
         if all(not t.is_alive() for t in self._threads):
             self._plan.close()  # a fetch thread of remote data ends with it
+
+
+class InHelper(IterableDataset):
+    """The worker threads in one helper process (DataLoader's only worker): the same batches, made by the same
+    threads, handed to the training process through shared memory as a worker process's are, so that a training
+    step's Python never waits for the loader's share of the GIL."""
+
+    def __init__(self, stream, workers: int, prefetch: int):
+        self.stream, self.workers, self.prefetch = stream, workers, prefetch
+
+    def __iter__(self):
+        yield from LoaderThreads(self.stream, self.workers, self.prefetch)
 
 
 def running() -> list[threading.Thread]:

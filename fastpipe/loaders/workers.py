@@ -14,6 +14,11 @@ from fastpipe.util import read_json, usable_cores
 # step holds: at 8 that is about two thirds, and threads start to queue on it; from 12 on they could not all run.
 # Above this, processes, unless /dev/shm cannot hold their batches (processes would then be cut down to fit).
 DEFAULT_THREADS_UP_TO = 8
+# A training step whose thread runs this share of it or more (Python that never pauses: a launch-bound step) holds
+# the GIL the loader's threads need: the default switches to worker processes after the first epoch. Measured with
+# a stand-in step (benchmarks/bench_step.py): at 1.0 processes gave 1.2-1.4x the threads' steps/s, at 0.33 and
+# below threads were best.
+STEP_PYTHON = 0.6
 
 
 def heuristic_workers(devices: int = 1) -> int:

@@ -14,7 +14,7 @@ from fastpipe.options import (
     opt,
     parse_gb,
     parse_normalize,
-    parse_onoff,
+    parse_threads,
     parse_workers,
 )
 from fastpipe.store.urls import check_location
@@ -59,9 +59,11 @@ class TrainConfig:
     workers: int | str | None = opt(None, "loader workers: a number (0 = in this process), auto (cores per device "
                                           "less one) or probe (measured once, cached)", parse=parse_workers,
                                  low=0, high=1024)
-    threads: bool | None = opt(None, "loader workers as threads of the training process (on) or processes (off); "
-                                     "default auto: threads where the JPEG decoder releases the GIL (fastpipe doctor "
-                                     "says which)", parse=parse_onoff)
+    threads: bool | str | None = opt(None, "loader workers as threads of the training process (on), processes "
+                                           "(off) or threads in one helper process (helper); default auto: threads "
+                                           "where the JPEG decoder releases the GIL, processes from the second epoch "
+                                           "where the step's Python never pauses (fastpipe doctor says which)",
+                                     parse=parse_threads)
     out: str | None = opt(None, "run folder (default runs/<time>-<model>)")
     resume: bool = opt(False, "continue the run in --out from its last checkpoint, with its saved settings")
     stop_after: int | None = opt(None, "leave after N epochs of this invocation (resumable), for time-limited jobs",
