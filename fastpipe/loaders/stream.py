@@ -192,9 +192,9 @@ class StreamLoader(Loader):
         if share >= STEP_PYTHON and waited >= WAIT_FREE and self._processes_fit(self.num_workers):
             self.close()
             self._build(self.num_workers, False)
-            print(f"fastpipe: the training step kept its thread busy {share:.0%} of its time, holding the GIL the "
-                  f"loader's threads need: worker processes from epoch {self.epoch + 1} on (threads=False or True "
-                  f"decides)", file=sys.stderr)
+            print(f"fastpipe: the training step kept its thread busy {share:.0%} of its time and the loop still "
+                  f"waited for batches: worker processes from epoch {self.epoch + 1} on, which share no GIL with the "
+                  f"step (threads=True keeps threads)", file=sys.stderr)
 
     def make_prepare(self):
         raise NotImplementedError
