@@ -56,6 +56,13 @@ class ShardConfig:
     ray_address: str | None = opt(None, "the Ray cluster to join: its head node, e.g. 10.0.0.1:6379; implies --ray")
     ray_timeout: float = opt(30.0, "seconds the cluster at --ray-address (or $RAY_ADDRESS) has to answer as Ray "
                                    "before the run stops, naming it", low=1, high=3600)
+    near_duplicates: str = opt("group", "near-copies of one picture (resized, recompressed, cropped to 0.85 of its "
+                                        "area or more, brightened): group (each group in one split), drop-from-val "
+                                        "(with SRC's train/ and val/: the val copies of a group in both removed), "
+                                        "drop (one photo per group kept) or off",
+                               choices=("group", "drop-from-val", "drop", "off"))
+    near_threshold: int = opt(16, "bits of 256 within which two photos' fingerprints are near-copies (calibrated: "
+                                  "docs/benchmarks.md)", low=0, high=64)
     on_change: str = opt("reject", "a photo whose bytes changed between planning (hashing) and converting: reject "
                                    "it (recorded as 'changed', the run goes on) or stop the run, naming it",
                          choices=("reject", "stop"))
@@ -66,7 +73,8 @@ class ShardConfig:
         return {"source": source, "short_side": self.short_side,
                 "quality": self.quality, "val_fraction": self.val_fraction, "seed": self.seed,
                 "max_shard_size": self.shard_bytes, "min_shards": self.shard_count, "max_pixels": self.max_pixels,
-                "part": self.part, "parts": self.parts}
+                "part": self.part, "parts": self.parts, "near_duplicates": self.near_duplicates,
+                "near_threshold": self.near_threshold}
 
     def changes_from(self, saved: dict) -> list[str]:
         """The settings that differ from a conversion's recorded ones (dataset.json's or its journal's), as the

@@ -16,7 +16,7 @@ from dataclasses import asdict
 from tqdm import tqdm
 
 from fastpipe import __version__
-from fastpipe.convert import images, outputs, photos, plan, previews, publish, readers
+from fastpipe.convert import images, nearplan, outputs, photos, plan, previews, publish, readers
 from fastpipe.convert.config import SPLITS, ConvertError, ShardConfig
 from fastpipe.convert.discovery import discover
 from fastpipe.convert.journal import Journal, SplitProgress, journal_name
@@ -105,9 +105,9 @@ def _make_pool(cfg: ShardConfig, source, workers: int, initargs: tuple):
     if cfg.uses_ray:
         from fastpipe.convert.onray import RayWorkers
 
-        settings, limit, remote, root = initargs  # each node reads the store with credentials of its own
+        settings, limit, remote, root, near = initargs  # each node reads the store with credentials of its own
         return RayWorkers(cfg.ray_address, cfg.workers, photos.init_worker,
-                          (settings, limit, remote and remote.without_credentials(), root), cfg.ray_timeout)
+                          (settings, limit, remote and remote.without_credentials(), root, near), cfg.ray_timeout)
     return Workers(workers, photos.init_worker, initargs) if workers > 1 else None
 
 
@@ -187,12 +187,14 @@ def _convert_split(run: _SplitRun, source, hashed: tuple[dict, dict], pool, bar,
     return len(todo)
 
 
-def _finalize(cfg, source, progress, early: list[Rejection], ids: dict, pool) -> Manifest:
-    """rejected.jsonl, previews, then dataset.json last: a conversion is complete only when every output is, so
-    a run stopped in between (a full disk while drawing previews) is finished by the rerun, not declared done."""
+def _finalize(cfg, source, progress, early: list[Rejection], ids: dict, pool, near: list[dict]) -> Manifest:
+    """rejected.jsonl, near-duplicates.jsonl, previews, then dataset.json last: a conversion is complete only when
+    every output is, so a run stopped in between (a full disk while drawing previews) is finished by the rerun, not
+    declared done."""
     rejected = sorted([r.to_dict() for r in early] + [r for p in progress.values() for r in p.rejected],
                       key=lambda r: (r["path"], r["reason"]))
     write_jsonl_atomic(cfg.out / f"rejected{cfg.suffix}.jsonl", rejected)
+    write_jsonl_atomic(cfg.out / f"near-duplicates{cfg.suffix}.jsonl", near)
     manifest = Manifest(
         classes=tuple(source.classes),
         splits={n: SplitInfo(tuple(p.shards), tuple(p.counts)) for n, p in progress.items()},
@@ -200,7 +202,10 @@ def _finalize(cfg, source, progress, early: list[Rejection], ids: dict, pool) ->
         settings={**cfg.settings(), **ids, "fastpipe": __version__},  # ids: plan.fingerprints
         components=Components(label="labels") if source.multilabel else Components(),
         root=cfg.out,
-        outputs={"rejected": f"rejected{cfg.suffix}.jsonl"},
+        outputs={"rejected": f"rejected{cfg.suffix}.jsonl", "near_duplicates": {
+            "file": f"near-duplicates{cfg.suffix}.jsonl", "groups": len(near),
+            "photos": sum(len(g["photos"]) for g in near), "straddling": sum(g["straddles"] for g in near),
+            "label_conflicts": sum(g["label_conflict"] for g in near)}},
         task="multilabel" if source.multilabel else "single",
     )
     if cfg.parts == 1:
@@ -245,27 +250,34 @@ def _shard_into(cfg: ShardConfig, source, start: float) -> Summary:
 def _plan(cfg: ShardConfig, source, workers: int, pool):
     """(this part's samples per split, each whole split's size, the plan's fingerprints, early rejections, each
     photo's (sha256, pixels))."""
-    hashes, early, pixels = plan.hash_files(source, workers, pool if cfg.uses_ray else None)
+    hashes, early, pixels, fps = plan.hash_files(source, workers, pool if cfg.uses_ray else None)
     items, duplicates = plan.deduplicate(list(source.items), hashes)
-    by_split = plan.split_items(items, cfg.val_fraction, cfg.seed, source.multilabel)
+    groups = nearplan.find(items, fps, cfg.near_threshold) if cfg.near_duplicates != "off" else []
+    items, groups, near = nearplan.resolve(items, groups, cfg.near_duplicates)
+    duplicates += near
+    by_split = plan.split_items(items, cfg.val_fraction, cfg.seed, source.multilabel, groups)
     ordered = {n: plan.order_split(by_split[n], source.classes, cfg.seed, salt, source.multilabel)
                for salt, n in enumerate(SPLITS)}
     mine = {n: [s[i] for i in plan.part_range(len(s), cfg.part, cfg.parts)] for n, s in ordered.items()}
     # Refusals found before any decoding are recorded once, by part 0, for a cluster job.
     early_all = list(source.rejections) + early + duplicates if cfg.part == 0 else []
     totals = {n: len(s) for n, s in ordered.items()}  # the whole split's size: --min-shards cuts by its share
-    return mine, totals, plan.fingerprints(cfg.settings(), ordered, mine, hashes), early_all, (hashes, pixels)
+    split_of = {s.path: n for n, samples in ordered.items() for s in samples}
+    near_groups = [g.record(split_of) for g in groups]
+    return (mine, totals, plan.fingerprints(cfg.settings(), ordered, mine, hashes), early_all, (hashes, pixels),
+            near_groups)
 
 
 def _run(cfg: ShardConfig, source, summary: Summary, start: float) -> None:
     workers = usable_cores() if cfg.workers is None else cfg.workers
-    initargs = (cfg.image_settings(), cfg.max_file_size, source.remote, None if source.remote else source.root)
+    initargs = (cfg.image_settings(), cfg.max_file_size, source.remote, None if source.remote else source.root,
+                cfg.near_duplicates != "off")
     pool = _make_pool(cfg, source, workers, initargs)
     photos.init_worker(*initargs)  # this process converts too (no pool), and hashes
     clock = _Clock(summary.phases, start)
     try:
         clock.lap("start")
-        mine, totals, fingerprints, early, hashed = _plan(cfg, source, workers, pool)
+        mine, totals, fingerprints, early, hashed, near = _plan(cfg, source, workers, pool)
         if source.multilabel:
             summary.unlabelled = [s.path for n in SPLITS for s in mine[n] if not s.label]
         clock.lap("hash")
@@ -279,7 +291,7 @@ def _run(cfg: ShardConfig, source, summary: Summary, start: float) -> None:
                 if not (p := progress.setdefault(n, SplitProgress())).done]
         _convert(runs, source, hashed, pool, summary, cfg.on_change)
         clock.lap("convert")
-        _finalize(cfg, source, progress, early, {"fingerprint": fingerprints[0], "plan": fingerprints[2]}, pool)
+        _finalize(cfg, source, progress, early, {"fingerprint": fingerprints[0], "plan": fingerprints[2]}, pool, near)
         journal.remove()
         clock.lap("finish")
         summary.notes += pool.notes() if pool is not None else []

@@ -34,6 +34,7 @@ REASONS = (
     "bad-label",  # a list row whose label is not one (a 0/1 cell that is 2 or 'yes', a line break, a whole document)
     "duplicate",  # same bytes as another file of the same class: one copy is kept
     "label-conflict",  # same bytes under two different labels: all copies rejected
+    "near-duplicate",  # a near-copy of another photo (--near-duplicates drop, or drop-from-val in SRC's val/)
     "changed",  # the file's bytes changed between planning (hashing) and converting (--on-change stop: the run stops)
 )
 
@@ -161,6 +162,22 @@ def process(data: bytes, settings: ImageSettings) -> Encoded | Rejected:
     pixel_sum, pixel_sumsq = channel_sums(im)
     return Encoded(jpeg=buf.getvalue(), size=im.size, orig_size=orig, pixel_sum=pixel_sum, pixel_sumsq=pixel_sumsq,
                    mode=mode)
+
+
+def fingerprint(data: bytes, settings: ImageSettings) -> np.ndarray | None:
+    """The photo's near-copy fingerprint (dataset/nearcopy.py) from a DCT-scaled decode, or None where it cannot be
+    decoded (converting it will say why)."""
+    from fastpipe.dataset import nearcopy
+
+    opened = _open_checked(data, settings)
+    if isinstance(opened, Rejected):
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return nearcopy.fingerprint(opened)
+    except (OSError, SyntaxError, ValueError, IndexError, EOFError, Image.DecompressionBombError):
+        return None
 
 
 _LEVELS = np.arange(256, dtype=np.float64) / 255.0

@@ -70,9 +70,25 @@ def _summary(m: Manifest) -> list[str]:
     rejected = _rejected(m)
     if rejected is not None:
         lines.append(f"  rejected at conversion: {len(rejected.splitlines())} (see {m.location}/rejected.jsonl)")
+    lines += _near_line(m)
     if m.settings.get("repaired"):
         lines.append(f"  left out by `inspect --repair`: {m.settings['repaired']} (see {m.location}/repaired.jsonl)")
     return lines
+
+
+def _near_line(m: Manifest) -> list[str]:
+    """The near-copy groups the conversion found, or that it did not look for them."""
+    near, mode = m.outputs.get("near_duplicates"), m.settings.get("near_duplicates")
+    if near is None or mode is None:
+        return [] if m.foreign else ["  near-copies: not looked for (converted before fastpipe fingerprinted photos; "
+                                     "convert again to find them)"]
+    if mode == "off":
+        return ["  near-copies: not looked for (--near-duplicates off)"]
+    text = (f"  near-copies: {near.get('groups', 0)} groups, {near.get('photos', 0)} photos (threshold "
+            f"{m.settings.get('near_threshold')} bits; see {m.location}/{near['file']})")
+    extra = [f"{near['straddling']} straddle train and val" if near.get("straddling") else "",
+             f"{near['label_conflicts']} under different labels" if near.get("label_conflicts") else ""]
+    return [text + "".join(f"; {e}" for e in extra if e)]
 
 
 def _rejected(m: Manifest) -> str | None:

@@ -79,6 +79,11 @@ def merge_in(out: Path, read, where: str | None = None) -> Manifest:
     rejected = [parse_json(line) for p in sorted(out.glob("rejected.part-*-of-*.jsonl"))
                 for line in p.read_text().splitlines()]
     write_jsonl_atomic(out / "rejected.jsonl", sorted(rejected, key=lambda r: (r["path"], r["reason"])))
+    near = parts[0].outputs.get("near_duplicates")  # every part planned the whole set: the same groups
+    if near is not None and (out / near["file"]).is_file():
+        groups = [parse_json(line) for line in (out / near["file"]).read_text().splitlines()]
+        write_jsonl_atomic(out / "near-duplicates.jsonl", groups)
+        manifest.outputs["near_duplicates"] = {**near, "file": "near-duplicates.jsonl"}
     seed = settings.get("seed", 0)
     if all("preview_candidates" in m.outputs for m in parts):
         picked = previews.from_candidates([_candidates(m) for m in parts], manifest.classes, seed)
@@ -120,7 +125,8 @@ def merge_to_url(url: str, storage_options: dict | None = None):
     No shard is read whole; nothing to resume: a failed merge is run again from the store."""
     url = url.rstrip("/")
     remote = Remote(url, storage_options)
-    records = remote.glob("dataset.part-*-of-*.json") + remote.glob("rejected.part-*-of-*.jsonl")
+    records = [r for pattern in ("dataset", "rejected", "near-duplicates")
+               for r in remote.glob(f"{pattern}.part-*-of-*.json{'' if pattern == 'dataset' else 'l'}")]
     staging = staging_folder(url + "#merge")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)

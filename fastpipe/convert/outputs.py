@@ -46,6 +46,8 @@ def manifest_files(m) -> set[Path]:
     files |= {m.root / p for p in m.outputs.get("previews", {}).values()}
     if "rejected" in m.outputs:
         files.add(m.root / m.outputs["rejected"])
+    if "near_duplicates" in m.outputs:
+        files.add(m.root / m.outputs["near_duplicates"]["file"])
     return files | {m.root / p for p in m.outputs.get("readers", [])}
 
 

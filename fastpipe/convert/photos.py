@@ -79,12 +79,15 @@ def read(where: str, limit: int, remote: Remote | None = None) -> bytes | images
 
 # -- the workers' side --------------------------------------------------------------------------------------
 _STATE: tuple[images.ImageSettings, int, Remote | None] | None = None
+_FINGERPRINTS = False  # hash_one also takes each photo's near-copy fingerprint
 
 
-def init_worker(settings: images.ImageSettings, limit: int, remote: Remote | None = None, root=None) -> None:
+def init_worker(settings: images.ImageSettings, limit: int, remote: Remote | None = None, root=None,
+                fingerprints: bool = False) -> None:
     """Set up this process for `hash_one` and `convert_one`. `root`: a local SRC's folder, which must be there (a
     Ray node without the shared file system would otherwise find every photo unreadable)."""
-    global _STATE
+    global _STATE, _FINGERPRINTS
+    _FINGERPRINTS = fingerprints
     if remote is None and root is not None and not Path(root).is_dir():
         raise DataError(f"SRC {root} is not a folder on {socket.gethostname()}: with --ray, a local SRC must be at "
                         f"the same path on every node (a shared file system); or put the photos in a store "
@@ -106,14 +109,16 @@ def convert_one(where: str) -> images.Encoded | images.Rejected:
     return images.process(data, settings)
 
 
-def hash_one(where: str) -> tuple[str, int, int] | images.Rejected:
-    """(sha256, size in bytes, pixels as the header says: 0 when it says nothing) or why the file cannot be used.
-    The pixels size what a Ray task reserves in memory to convert the photo (its header, not its data: ~0.1 ms)."""
-    _, limit, remote = _STATE
+def hash_one(where: str) -> tuple | images.Rejected:
+    """(sha256, size in bytes, pixels as the header says: 0 when it says nothing, the near-copy fingerprint or None)
+    or why the file cannot be used. The pixels size what a Ray task reserves in memory to convert the photo (its
+    header, not its data: ~0.1 ms); the fingerprint is taken from a DCT-scaled decode (a few milliseconds)."""
+    settings, limit, remote = _STATE
     data = read(where, limit, remote)
     if isinstance(data, images.Rejected):
         return data
-    return hashlib.sha256(data).hexdigest(), len(data), _pixels(data)
+    fp = images.fingerprint(data, settings) if _FINGERPRINTS else None
+    return hashlib.sha256(data).hexdigest(), len(data), _pixels(data), fp
 
 
 def _pixels(data: bytes) -> int:

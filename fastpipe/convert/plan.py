@@ -26,9 +26,11 @@ class Sample:
     label: int | tuple[int, ...]  # a class index, or the sorted class indices of a multi-label sample
 
 
-def hash_files(source: Source, threads: int, pool=None) -> tuple[dict[str, str], list[Rejection], dict[str, int]]:
+def hash_files(source: Source, threads: int, pool=None) -> tuple[dict[str, str], list[Rejection], dict[str, int],
+                                                                  dict[str, np.ndarray]]:
     """sha256 of every file (one read each; the duplicate check needs it before any decoding), the rejections,
-    and each file's pixels as its header says (photos.hash_one; set up by photos.init_worker).
+    each file's pixels as its header says, and its near-copy fingerprint where taken (photos.hash_one; set up by
+    photos.init_worker).
 
     Threads, not the process pool: reading and hashlib release the GIL, and the conversion processes can finish
     starting up (importing numpy and Pillow) meanwhile. A store's objects are read 16 at a time at least (their
@@ -38,7 +40,7 @@ def hash_files(source: Source, threads: int, pool=None) -> tuple[dict[str, str],
     threaded = ThreadPool(threads) if pool is None and threads > 1 else None
     mapper = pool or threaded
     results = mapper.imap(photos.hash_one, where, chunksize=8) if mapper else map(photos.hash_one, where)
-    hashes, rejected, pixels = {}, [], {}
+    hashes, rejected, pixels, fps = {}, [], {}, {}
     for item, loc, r in tqdm(zip(source.items, where, results), total=len(where), desc="hashing", unit="file",
                              leave=False, mininterval=0.5):
         if isinstance(r, images.Rejected):
@@ -47,9 +49,11 @@ def hash_files(source: Source, threads: int, pool=None) -> tuple[dict[str, str],
             rejected.append(Rejection(item.path, "empty", "0 bytes"))
         else:
             hashes[item.path], pixels[item.path] = r[0], r[2]
+            if r[3] is not None:
+                fps[item.path] = r[3]
     if threaded:
         threaded.close()
-    return hashes, rejected, pixels
+    return hashes, rejected, pixels, fps
 
 
 def original_first(path: str) -> tuple:
@@ -94,26 +98,33 @@ def _stratum(items: list[Item], multilabel: bool):
     return lambda i: min(i.label.split(";"), key=lambda n: (freq[n], n))
 
 
-def split_items(items: list[Item], val_fraction: float, seed: int,
-                multilabel: bool = False) -> dict[str, list[Item]]:
-    """Source-given split if there is one, else stratified per class: round(n * fraction) to val,
-    at least one when a class has two or more files and the fraction is above zero."""
+def split_items(items: list[Item], val_fraction: float, seed: int, multilabel: bool = False,
+                groups=()) -> dict[str, list[Item]]:
+    """Source-given split if there is one, else stratified per class: round(n * fraction) to val, at least one when
+    a class has two or more files and the fraction is above zero. A group of near-copies (nearplan.Group) goes to
+    one split whole: the class's photos are taken group by group in a seeded order, a group to val while it fits in
+    the val count (without groups: the first round(n * fraction) photos of that order, as before groups existed)."""
+    from fastpipe.convert.nearplan import units
+
     if any(i.split for i in items):
         return {s: [i for i in items if i.split == s] for s in ("train", "val")}
-    by_class: dict[str, list[Item]] = defaultdict(list)
+    by_class: dict[str, list[list[Item]]] = defaultdict(list)
     stratum = _stratum(items, multilabel)
-    for i in items:
-        by_class[stratum(i)].append(i)
+    for u in units(items, list(groups)):
+        by_class[stratum(u[0])].append(u)
     rng = np.random.default_rng(seed)
     out: dict[str, list[Item]] = {"train": [], "val": []}
     for label in sorted(by_class):
         group = by_class[label]
-        n_val = round(len(group) * val_fraction)
-        if val_fraction > 0 and len(group) >= 2:
-            n_val = min(max(n_val, 1), len(group) - 1)
-        order = rng.permutation(len(group))
-        out["val"] += [group[j] for j in order[:n_val]]
-        out["train"] += [group[j] for j in order[n_val:]]
+        n = sum(len(u) for u in group)
+        n_val = round(n * val_fraction)
+        if val_fraction > 0 and n >= 2:
+            n_val = min(max(n_val, 1), n - 1)
+        taken = 0
+        for j in rng.permutation(len(group)):
+            fits = taken + len(group[j]) <= n_val
+            out["val" if fits else "train"] += group[j]
+            taken += len(group[j]) if fits else 0
     return out
 
 

@@ -91,6 +91,7 @@ def summarise(summary: Summary, cfg) -> Summary:
         none = sum(p not in gone for p in summary.unlabelled)
         summary.notes.append(f"multi-label: {none} of the images written have none of the {len(data['classes'])} "
                              f"labels (an empty label set)")
+    summary.notes += near_note(data.get("outputs", {}).get("near_duplicates"), cfg)
     if len(data["classes"]) < 2:
         summary.notes.append(f"only one class ({data['classes'][0]!r}): a classifier needs at least two. Expected "
                              f"SRC/<class>/<images> with one folder per class, or a list with a label per row")
@@ -98,3 +99,20 @@ def summarise(summary: Summary, cfg) -> Summary:
         summary.notes.append("no validation samples: `fastpipe train` will train without evaluating "
                              "(use --val-fraction, or SRC/train + SRC/val folders)")
     return summary
+
+
+def near_note(near: dict | None, cfg) -> list[str]:
+    """What the near-copies found did to the split, in one line (nothing without any)."""
+    if not near or not near.get("groups"):
+        return []
+    text = (f"near-copies: {near['groups']} groups of one picture ({near['photos']} photos, listed in "
+            f"{near['file']})")
+    if near.get("straddling"):
+        text += (f"; {near['straddling']} straddle SRC's train/ and val/: validation sees pictures training saw "
+                 f"(--near-duplicates drop-from-val removes their val copies)")
+    elif cfg.near_duplicates != "drop":
+        text += ", each kept in one split"
+    if near.get("label_conflicts"):
+        text += (f"; {near['label_conflicts']} of them under different labels (a mislabelled copy, or a "
+                 f"difference too small for the fingerprint, such as a defect: look at them)")
+    return [text]

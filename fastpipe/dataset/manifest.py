@@ -287,6 +287,10 @@ class _Check:
             self.inside(v, f"outputs.previews[{k!r}]")
         if "rejected" in out:
             self.inside(out["rejected"], "outputs.rejected")
+        near = out.get("near_duplicates", {"file": "near-duplicates.jsonl"})
+        self.expect(isinstance(near, dict) and "file" in near, "outputs.near_duplicates", "an object with a file",
+                    near)
+        self.inside(near["file"], "outputs.near_duplicates.file")
         self.expect(isinstance(out.get("readers", []), list), "outputs.readers", "a list of file names", out)
         for i, v in enumerate(out.get("readers", [])):
             self.inside(v, f"outputs.readers[{i}]")

@@ -1,0 +1,159 @@
+"""Near-copies of a photo: the same picture downscaled, recompressed, brightened or darkened, or cropped to 85 % of
+its area or more. Each photo gets a fingerprint, 16 perceptual hashes of 256 bits: the whole picture's and 15
+windows' (a 92 % square crop at 3 x 3 positions, an 85 % strip at 3 positions each way), each the signs of the
+lowest 16 x 16 DCT frequencies (the DC left out) of a 32 x 32 grey thumbnail against their median (a pHash with
+four times the usual frequencies: photos of one scene framed alike, such as a leaf centred on a background, differ
+in them). The bits run from the lowest frequencies up, so a hash's first 64 bits are a coarse hash of their own. A
+copy cropped from a photo has a whole-picture hash near one of that photo's window hashes; any two copies have
+whole-picture hashes near each other. Two photos are near-copies when the closest such pair of hashes differs in
+`threshold` bits or fewer.
+
+The search is multi-index hashing (Norouzi et al.) on the coarse 64 bits: split into three parts, a pair within
+COARSE bits has a part within COARSE // 3 bits, so each whole-picture hash looks up its parts' neighbours in sorted
+arrays of every window's parts; only those candidates are compared on all 256 bits: sub-quadratic, in NumPy.
+"""
+
+from __future__ import annotations
+
+import itertools
+from functools import cache
+
+import numpy as np
+from PIL import Image, ImageOps
+
+THUMB = 96  # the grey thumbnail every hash is taken from
+HASH = 32  # each window is resized to HASH x HASH for its DCT
+K = 16  # the K x K lowest frequencies
+WORDS = 4  # 256 bits (255 frequencies and a zero)
+DEFAULT_THRESHOLD = 16
+MAX_THRESHOLD = 64
+COARSE = 8  # the first 64 bits of a near-copy's hash differ in at most this many (measured: 6)
+PARTS = ((0, 22), (22, 43), (43, 64))  # bit ranges of the three parts
+
+
+def _windows() -> list[tuple[float, float, float, float]]:
+    """(x0, y0, x1, y1) as fractions of the picture: the whole, then the crops a near-copy may have been cut as."""
+    square = [(x, y, x + 0.92, y + 0.92) for y in (0, 0.04, 0.08) for x in (0, 0.04, 0.08)]
+    strips = [(x, 0, x + 0.85, 1) for x in (0, 0.075, 0.15)] + [(0, y, 1, y + 0.85) for y in (0, 0.075, 0.15)]
+    return [(0, 0, 1, 1), *square, *strips]
+
+
+WINDOWS = _windows()
+
+
+def thumbnail(im: Image.Image) -> np.ndarray:
+    """THUMB x THUMB grey, float64, from an opened photo: a JPEG decoded DCT-scaled (at least 2 x THUMB a side,
+    so that a photo and its half- or quarter-size copy are thumbnailed alike), the EXIF orientation applied."""
+    if im.format == "JPEG":
+        im.draft("L", (2 * THUMB, 2 * THUMB))
+    im = ImageOps.exif_transpose(im)
+    grey = im if im.mode == "L" else im.convert("L")
+    return np.asarray(grey.resize((THUMB, THUMB), Image.Resampling.BOX), dtype=np.float64)
+
+
+@cache
+def _dct() -> np.ndarray:
+    k, i = np.arange(K)[:, None], np.arange(HASH)[None, :]
+    return np.cos(np.pi * (2 * i + 1) * k / (2 * HASH))  # the K lowest rows of DCT-II (scale is irrelevant to signs)
+
+
+@cache
+def _zigzag() -> np.ndarray:
+    """The K x K frequencies but DC, lowest first (by u + v, then u)."""
+    uv = sorted(((u, v) for u in range(K) for v in range(K)), key=lambda p: (p[0] + p[1], p[0]))[1:]
+    return np.array([u * K + v for u, v in uv])
+
+
+@cache
+def _area(n: int, lo: float, hi: float) -> np.ndarray:
+    """(HASH, n): averages of [lo, hi) of n pixels into HASH, each pixel weighted by its overlap."""
+    edges, j = np.linspace(lo * n, hi * n, HASH + 1), np.arange(n)
+    w = np.clip(np.minimum(edges[1:, None], j + 1) - np.maximum(edges[:-1, None], j), 0, None)
+    return w / w.sum(1, keepdims=True)
+
+
+def _phash(thumb: np.ndarray, window) -> np.ndarray:
+    x0, y0, x1, y1 = window
+    small = _area(thumb.shape[0], y0, y1) @ thumb @ _area(thumb.shape[1], x0, x1).T
+    c = (_dct() @ small @ _dct().T).ravel()[_zigzag()]  # 255 frequencies, DC left out (brightness)
+    bits = c > np.median(c)
+    return np.packbits(np.append(bits, False)).view(">u8").astype(np.uint64)
+
+
+def fingerprint(im: Image.Image) -> np.ndarray:
+    """The photo's 16 hashes (whole picture first): (16, 4) uint64."""
+    thumb = thumbnail(im)
+    return np.stack([_phash(thumb, w) for w in WINDOWS])
+
+
+def popcount(x: np.ndarray) -> np.ndarray:
+    if hasattr(np, "bitwise_count"):
+        return np.bitwise_count(x)
+    b = x.view(np.uint8).reshape(*x.shape, 8)
+    return np.unpackbits(b, axis=-1).sum(-1)
+
+
+def _part(h: np.ndarray, part: tuple[int, int]) -> np.ndarray:
+    lo, hi = part
+    return (h >> np.uint64(64 - hi)) & np.uint64((1 << (hi - lo)) - 1)
+
+
+def _masks(bits: int, radius: int) -> np.ndarray:
+    out = [0]
+    for r in range(1, radius + 1):
+        out += [sum(1 << b for b in c) for c in itertools.combinations(range(bits), r)]
+    return np.array(out, dtype=np.uint64)
+
+
+def pairs(fps: np.ndarray, threshold: int = DEFAULT_THRESHOLD) -> list[tuple[int, int, int]]:
+    """(i, j, distance), i < j, for every two photos within `threshold` bits: fps is (N, 16, 4) uint64, the whole
+    picture's hash first."""
+    n = len(fps)
+    if n < 2:
+        return []
+    whole, stored = fps[:, 0], fps.reshape(-1, WORDS)
+    owner = np.repeat(np.arange(n), fps.shape[1])
+    found: dict[tuple[int, int], int] = {}
+    for qi, si in _candidates(whole[:, 0], stored[:, 0]):
+        d = popcount(whole[qi] ^ stored[si]).sum(1)
+        keep = (d <= threshold) & (owner[si] != qi)
+        for a, b, dist in zip(qi[keep].tolist(), owner[si][keep].tolist(), d[keep].tolist()):
+            key = (min(a, b), max(a, b))
+            found[key] = min(found.get(key, 256), dist)
+    return sorted((a, b, d) for (a, b), d in found.items())
+
+
+def _candidates(queries: np.ndarray, stored: np.ndarray):
+    """(query index, stored index) arrays of every pair whose coarse hashes may be within COARSE bits: per part, the
+    stored hashes whose part is within COARSE // 3 bits of the query's (some may repeat across parts)."""
+    for part in PARTS:
+        keys, q = _part(stored, part), _part(queries, part)
+        order = np.argsort(keys, kind="stable")
+        sorted_keys = keys[order]
+        for mask in _masks(part[1] - part[0], COARSE // len(PARTS)):
+            probe = q ^ mask
+            lo, hi = np.searchsorted(sorted_keys, probe, "left"), np.searchsorted(sorted_keys, probe, "right")
+            counts = hi - lo
+            if counts.any():
+                starts = np.repeat(lo - np.cumsum(counts) + counts, counts)  # each hit's offset within its range
+                yield np.repeat(np.arange(len(q)), counts), order[starts + np.arange(counts.sum())]
+
+
+def groups(n: int, near: list[tuple[int, int, int]]) -> list[list[int]]:
+    """Connected groups of two or more photos (union-find over the pairs), each sorted, in order of first photo."""
+    parent = list(range(n))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for a, b, _ in near:
+        ra, rb = root(a), root(b)
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+    members: dict[int, list[int]] = {}
+    for i in range(n):
+        members.setdefault(root(i), []).append(i)
+    return sorted((m for m in members.values() if len(m) > 1), key=lambda m: m[0])

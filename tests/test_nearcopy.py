@@ -1,0 +1,168 @@
+"""Near-copies of one picture across the split: found at conversion (a resized, recompressed, cropped or brightened
+copy), kept in one split, reported where SRC's own split straddles them, listed, and counted by inspect."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image, ImageEnhance
+
+from fastpipe.cli import main
+from fastpipe.convert.driver import ShardConfig, shard
+from fastpipe.dataset import nearcopy
+
+
+def natural(seed: int, size=(320, 240)) -> Image.Image:
+    """A picture with a natural photo's spectrum (amplitude 1/f, random phases): unrelated seeds are unrelated
+    pictures, as two photos of a collection are."""
+    rng = np.random.default_rng(seed)
+    w, h = size
+    f = np.hypot(np.fft.rfftfreq(w)[None, :], np.fft.fftfreq(h)[:, None])
+    f[0, 0] = 1
+    chans = []
+    for _ in range(3):
+        a = np.fft.irfft2((rng.standard_normal(f.shape) + 1j * rng.standard_normal(f.shape)) / f, s=(h, w))
+        chans.append(np.clip(128 + 45 * (a - a.mean()) / a.std(), 0, 255))
+    return Image.fromarray(np.stack(chans, -1).astype(np.uint8))
+
+
+def jpeg(im: Image.Image, quality: int = 90) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, "JPEG", quality=quality)
+    return buf.getvalue()
+
+
+COPIES = {  # the transformed copies the fingerprint is made for
+    "half": lambda im: im.resize((im.width // 2, im.height // 2), Image.Resampling.LANCZOS),
+    "q50": lambda im: Image.open(io.BytesIO(jpeg(im, 50))),
+    "crop": lambda im: im.crop((0, 0, int(im.width * 0.92), int(im.height * 0.92))),
+    "darker": lambda im: ImageEnhance.Brightness(im).enhance(0.85),
+}
+
+
+def write(path: Path, im: Image.Image) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(jpeg(im))
+
+
+def groups_of(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "near-duplicates.jsonl").read_text().splitlines()]
+
+
+def test_copies_are_found_and_unrelated_pictures_are_not():
+    originals = [natural(s) for s in range(12)]
+    fps = [nearcopy.fingerprint(Image.open(io.BytesIO(jpeg(im)))) for im in originals]
+    for make in COPIES.values():
+        fps += [nearcopy.fingerprint(Image.open(io.BytesIO(jpeg(make(im))))) for im in originals[:6]]
+    found = {(a, b) for a, b, _ in nearcopy.pairs(np.stack(fps))}
+    planted = {(k, 12 + 6 * c + k) for c in range(len(COPIES)) for k in range(6)}
+    assert planted <= found  # every copy is paired with its original ...
+    assert not {(a, b) for a, b in found if b < 12}  # ... and no two unrelated pictures are
+
+
+def test_the_search_finds_what_comparing_every_pair_finds():
+    """Multi-index hashing against brute force, on fingerprints with planted neighbours at 0 to 20 bits."""
+    rng = np.random.default_rng(0)
+    fps = rng.integers(0, 2**63, size=(300, len(nearcopy.WINDOWS), nearcopy.WORDS), dtype=np.uint64)
+    for k in range(0, 300, 3):  # photo k+1's whole picture: photo k's window k % 16 with a few bits flipped
+        near = fps[k, k % len(nearcopy.WINDOWS)].copy()
+        for bit in rng.choice(256, size=k % 21, replace=False):
+            near[bit // 64] ^= np.uint64(1 << (bit % 64))
+        fps[k + 1, 0] = near
+    whole, stored = fps[:, 0], fps.reshape(len(fps), -1, nearcopy.WORDS)
+    brute = set()
+    for i in range(len(fps)):
+        d = nearcopy.popcount(whole[i] ^ stored).sum(-1).min(-1)  # to every photo's closest window
+        for j in np.flatnonzero(d <= 16):
+            if j != i:
+                brute.add((min(i, j), max(i, j)))
+    found = {(a, b) for a, b, _ in nearcopy.pairs(fps, 16)}
+    assert found <= brute and len(found) >= 60
+    # a pair within 16 bits is found unless its first 64 bits differ in more than COARSE (the index's reach)
+    missed = brute - found
+    for a, b in missed:
+        closest = min(int(nearcopy.popcount(whole[x][0] ^ stored[y][:, 0]).min()) for x, y in ((a, b), (b, a)))
+        assert closest > nearcopy.COARSE
+
+
+@pytest.fixture
+def given_split(tmp_path) -> Path:
+    """SRC/train and SRC/val with copies of two train photos in val, and one under another label."""
+    src = tmp_path / "src"
+    for k in range(8):
+        write(src / "train" / ("cat" if k % 2 else "dog") / f"p{k}.jpg", natural(k))
+        write(src / "val" / ("cat" if k % 2 else "dog") / f"v{k}.jpg", natural(100 + k))
+    write(src / "val" / "cat" / "p1_small.jpg", COPIES["half"](natural(1)))
+    write(src / "val" / "dog" / "p2_crop.jpg", COPIES["crop"](natural(2)))
+    write(src / "train" / "cat" / "p4_relabelled.jpg", COPIES["q50"](natural(4)))  # p4 is a dog
+    return src
+
+
+def test_copies_across_srcs_train_and_val_are_reported_and_can_leave_val(given_split, tmp_path, capsys):
+    out = tmp_path / "out"
+    shard(ShardConfig(given_split, out, short_side=64, workers=0))
+    groups = groups_of(out)
+    straddling = [g for g in groups if g["straddles"]]
+    assert sorted(p["path"] for g in straddling for p in g["photos"]) == [
+        "train/cat/p1.jpg", "train/dog/p2.jpg", "val/cat/p1_small.jpg", "val/dog/p2_crop.jpg"]
+    conflict = next(g for g in groups if g["label_conflict"])
+    assert {p["path"] for p in conflict["photos"]} == {"train/dog/p4.jpg", "train/cat/p4_relabelled.jpg"}
+    near = json.loads((out / "dataset.json").read_text())["outputs"]["near_duplicates"]
+    assert near["straddling"] == 2 and near["label_conflicts"] == 1 and near["groups"] == 3
+    assert main(["inspect", str(out)]) == 0
+    assert "near-copies: 3 groups, 6 photos" in capsys.readouterr().out
+    # the val copies removed, each a recorded rejection naming its train photo
+    dropped = tmp_path / "dropped"
+    shard(ShardConfig(given_split, dropped, short_side=64, workers=0, near_duplicates="drop-from-val"))
+    rejected = [json.loads(line) for line in (dropped / "rejected.jsonl").read_text().splitlines()]
+    assert {(r["path"], r["reason"]) for r in rejected} == {("val/cat/p1_small.jpg", "near-duplicate"),
+                                                            ("val/dog/p2_crop.jpg", "near-duplicate")}
+    assert "train/cat/p1.jpg" in next(r["detail"] for r in rejected if r["path"] == "val/cat/p1_small.jpg")
+    counts = {n: s["samples"] for n, s in json.loads((dropped / "dataset.json").read_text())["splits"].items()}
+    assert counts == {"train": 9, "val": 8}
+
+
+def test_a_random_split_keeps_each_group_whole_and_is_the_same_with_any_worker_count(tmp_path):
+    src = tmp_path / "src"
+    for k in range(30):
+        write(src / ("a" if k % 2 else "b") / f"p{k:02d}.jpg", natural(k))
+    for k in range(0, 30, 3):  # ten pictures with two copies each
+        for name in ("half", "crop"):
+            write(src / ("a" if k % 2 else "b") / f"p{k:02d}_{name}.jpg", COPIES[name](natural(k)))
+    outs = [tmp_path / f"out{w}" for w in (0, 2)]
+    for w, out in zip((0, 2), outs):
+        shard(ShardConfig(src, out, short_side=64, val_fraction=0.3, workers=w))
+    groups = groups_of(outs[0])
+    assert len(groups) == 10 and all(len(g["photos"]) == 3 and not g["straddles"] for g in groups)
+    assert {g["photos"][0]["split"] for g in groups} == {"train", "val"}  # groups do go to val, whole
+    files = [sorted(p.relative_to(o) for p in o.rglob("*") if p.is_file()) for o in outs]
+    assert files[0] == files[1]
+    assert all((outs[0] / f).read_bytes() == (outs[1] / f).read_bytes() for f in files[0])
+
+
+def test_drop_keeps_the_original_of_each_group(tmp_path):
+    src = tmp_path / "src"
+    for k in range(6):
+        write(src / ("a" if k % 2 else "b") / f"p{k}.jpg", natural(k))
+    write(src / "a" / "p1 (copy).jpg", COPIES["darker"](natural(1)))
+    out = tmp_path / "out"
+    shard(ShardConfig(src, out, short_side=64, workers=0, val_fraction=0, near_duplicates="drop"))
+    rejected = [json.loads(line) for line in (out / "rejected.jsonl").read_text().splitlines()]
+    assert [(r["path"], r["reason"]) for r in rejected] == [("a/p1 (copy).jpg", "near-duplicate")]
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["--near-threshold", "-1"], "--near-threshold"), (["--near-threshold", "65"], "--near-threshold"),
+    (["--near-threshold", "nan"], "--near-threshold"), (["--near-duplicates", "maybe"], "--near-duplicates")])
+def test_bad_values_of_the_near_copy_options_are_refused_in_one_line(tmp_path, capsys, argv, said):
+    try:
+        code = main(["shard", str(tmp_path), str(tmp_path / "out"), *argv])
+    except SystemExit as e:  # refused by the parser
+        code = e.code
+    assert code == 2 and not (tmp_path / "out").exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert said in err[-1] and "Traceback" not in "\n".join(err)
