@@ -62,18 +62,22 @@ def test_copies_are_found_and_unrelated_pictures_are_not():
     planted = {(k, 12 + 6 * c + k) for c in range(len(COPIES)) for k in range(6)}
     assert planted <= found  # every copy is paired with its original ...
     assert not {(a, b) for a, b in found if b < 12}  # ... and no two unrelated pictures are
+    # nor a picture and the same picture squeezed to another shape (a portrait and a landscape photo thumbnail alike)
+    squeezed = nearcopy.fingerprint(Image.open(io.BytesIO(jpeg(originals[0].resize((240, 320))))))
+    assert not nearcopy.pairs(np.stack([fps[0], squeezed]))
 
 
 def test_the_search_finds_what_comparing_every_pair_finds():
     """Multi-index hashing against brute force, on fingerprints with planted neighbours at 0 to 20 bits."""
     rng = np.random.default_rng(0)
-    fps = rng.integers(0, 2**63, size=(300, len(nearcopy.WINDOWS), nearcopy.WORDS), dtype=np.uint64)
+    fps = rng.integers(0, 2**63, size=(300, len(nearcopy.WINDOWS) + 1, nearcopy.WORDS), dtype=np.uint64)
+    fps[:, -1] = [np.float64(4 / 3).view(np.uint64), 0, 0, 0]  # every photo 4:3
     for k in range(0, 300, 3):  # photo k+1's whole picture: photo k's window k % 16 with a few bits flipped
         near = fps[k, k % len(nearcopy.WINDOWS)].copy()
         for bit in rng.choice(256, size=k % 21, replace=False):
             near[bit // 64] ^= np.uint64(1 << (bit % 64))
         fps[k + 1, 0] = near
-    whole, stored = fps[:, 0], fps.reshape(len(fps), -1, nearcopy.WORDS)
+    whole, stored = fps[:, 0], fps[:, :-1]
     brute = set()
     for i in range(len(fps)):
         d = nearcopy.popcount(whole[i] ^ stored).sum(-1).min(-1)  # to every photo's closest window
@@ -113,6 +117,7 @@ def test_copies_across_srcs_train_and_val_are_reported_and_can_leave_val(given_s
     assert {p["path"] for p in conflict["photos"]} == {"train/dog/p4.jpg", "train/cat/p4_relabelled.jpg"}
     near = json.loads((out / "dataset.json").read_text())["outputs"]["near_duplicates"]
     assert near["straddling"] == 2 and near["label_conflicts"] == 1 and near["groups"] == 3
+    assert (out / near["preview"]).stat().st_size > 5000  # previews/near-duplicates.jpg: the groups side by side
     assert main(["inspect", str(out)]) == 0
     assert "near-copies: 3 groups, 6 photos" in capsys.readouterr().out
     # the val copies removed, each a recorded rejection naming its train photo

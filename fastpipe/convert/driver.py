@@ -29,7 +29,7 @@ from fastpipe.dataset.shardformat import encode_label
 from fastpipe.errors import DataError
 from fastpipe.store.remote import is_url
 from fastpipe.store.urls import redact
-from fastpipe.util import FolderLock, usable_cores, write_json_atomic, write_jsonl_atomic
+from fastpipe.util import FolderLock, atomic_write_bytes, usable_cores, write_json_atomic, write_jsonl_atomic
 
 
 class PhotoChanged(DataError):
@@ -211,11 +211,21 @@ def _finalize(cfg, source, progress, early: list[Rejection], ids: dict, pool, ne
     if cfg.parts == 1:
         names = previews.contact_sheets(manifest, cfg.out / "previews", seed=cfg.seed, pool=pool)
         manifest.outputs["previews"] = {c: f"previews/{f}" for c, f in names.items()}
+        sheet = previews.near_copies_sheet(near, lambda rel: _source_bytes(cfg, source, rel), cfg.max_pixels)
+        if sheet is not None:  # beside the classes' sheets, under a name no class's can take
+            name = "near-duplicates.jpg" if "near-duplicates.jpg" not in names.values() else "_near-duplicates.jpg"
+            atomic_write_bytes(cfg.out / "previews" / name, sheet)
+            manifest.outputs["near_duplicates"]["preview"] = f"previews/{name}"
         manifest.outputs["readers"] = readers.write(manifest, cfg.out)
     else:  # a cluster job's previews are drawn at merge time, from every part's uniform sample of each class
         manifest.outputs["preview_candidates"] = previews.candidates(manifest, cfg.seed, cfg.part)
     write_json_atomic(cfg.out / f"dataset{cfg.suffix}.json", manifest.to_dict())
     return manifest
+
+
+def _source_bytes(cfg, source, rel: str) -> bytes | None:
+    data = photos.read(photos.location(source.root, rel), cfg.max_file_size, source.remote)
+    return None if isinstance(data, images.Rejected) else data
 
 
 class _Clock:

@@ -47,7 +47,8 @@ def manifest_files(m) -> set[Path]:
     if "rejected" in m.outputs:
         files.add(m.root / m.outputs["rejected"])
     if "near_duplicates" in m.outputs:
-        files.add(m.root / m.outputs["near_duplicates"]["file"])
+        near = m.outputs["near_duplicates"]
+        files |= {m.root / near[k] for k in ("file", "preview") if k in near}
     return files | {m.root / p for p in m.outputs.get("readers", [])}
 
 

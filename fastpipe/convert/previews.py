@@ -147,3 +147,30 @@ def contact_sheets(manifest: Manifest, folder: Path, seed: int = 0, per_class: i
     picked = _pick(_locate_by_class(manifest), manifest.classes, np.random.default_rng(seed), per_class)
     return draw(picked, manifest.classes, folder, read_local(manifest.root), pool, per_class,
                 imageguard.data_set_limit(manifest.settings))
+
+
+def near_copies_sheet(groups: list[dict], read, max_pixels: int, rows: int = 6, per_row: int = 5) -> bytes | None:
+    """previews/near-duplicates.jpg: the largest groups of near-copies, one row each, every photo with its split and
+    its distance to the closest other; `read(path)` gives a source photo's bytes (None where it cannot)."""
+    shown = sorted(groups, key=lambda g: (-len(g["photos"]), g["photos"][0]["path"]))[:rows]
+    if not shown:
+        return None
+    label = 28
+    sheet = Image.new("RGB", (GAP + per_row * (CELL + GAP), TITLE + len(shown) * (CELL + label + GAP)), (30, 30, 30))
+    draw = ImageDraw.Draw(sheet)
+    draw.text((8, 8), f"near-copies: the {len(shown)} largest of {len(groups)} groups (split, bits apart)",
+              fill=(240, 240, 240))
+    for r, g in enumerate(shown):
+        y = TITLE + r * (CELL + label + GAP)
+        for c, p in enumerate(g["photos"][:per_row]):
+            x, data = GAP + c * (CELL + GAP), read(p["path"])
+            with contextlib.suppress(OSError, ValueError, SyntaxError, Image.DecompressionBombError, TypeError):
+                imageguard.check(data, max_pixels)
+                tile = _tile(data)
+                sheet.paste(tile, (x + (CELL - tile.width) // 2, y + (CELL - tile.height) // 2))
+            colour = (255, 120, 90) if g["straddles"] and p["split"] == "val" else (220, 220, 220)
+            draw.text((x, y + CELL + 2), f"{p['split']} · {p['distance']} bits", fill=colour)
+            draw.text((x, y + CELL + 14), p["path"].rsplit("/", 1)[-1][:34], fill=(170, 170, 170))
+    buf = io.BytesIO()
+    sheet.save(buf, "JPEG", quality=85)
+    return buf.getvalue()

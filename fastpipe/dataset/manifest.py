@@ -290,7 +290,9 @@ class _Check:
         near = out.get("near_duplicates", {"file": "near-duplicates.jsonl"})
         self.expect(isinstance(near, dict) and "file" in near, "outputs.near_duplicates", "an object with a file",
                     near)
-        self.inside(near["file"], "outputs.near_duplicates.file")
+        for k in ("file", "preview"):
+            if k in near:
+                self.inside(near[k], f"outputs.near_duplicates.{k}")
         self.expect(isinstance(out.get("readers", []), list), "outputs.readers", "a list of file names", out)
         for i, v in enumerate(out.get("readers", [])):
             self.inside(v, f"outputs.readers[{i}]")

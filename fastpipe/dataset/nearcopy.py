@@ -27,6 +27,8 @@ K = 16  # the K x K lowest frequencies
 WORDS = 4  # 256 bits (255 frequencies and a zero)
 DEFAULT_THRESHOLD = 16
 MAX_THRESHOLD = 64
+# A copy cropped to 85 % of the width keeps its height: its width / height changes by at most that (the log of it)
+MAX_SHAPE_CHANGE = float(np.log(1 / 0.84))
 COARSE = 8  # the first 64 bits of a near-copy's hash differ in at most this many (measured: 6)
 PARTS = ((0, 22), (22, 43), (43, 64))  # bit ranges of the three parts
 
@@ -41,14 +43,15 @@ def _windows() -> list[tuple[float, float, float, float]]:
 WINDOWS = _windows()
 
 
-def thumbnail(im: Image.Image) -> np.ndarray:
+def thumbnail(im: Image.Image) -> tuple[np.ndarray, float]:
     """THUMB x THUMB grey, float64, from an opened photo: a JPEG decoded DCT-scaled (at least 2 x THUMB a side,
-    so that a photo and its half- or quarter-size copy are thumbnailed alike), the EXIF orientation applied."""
+    so that a photo and its half- or quarter-size copy are thumbnailed alike), the EXIF orientation applied; and
+    the photo's width / height (the thumbnail squares it away)."""
     if im.format == "JPEG":
         im.draft("L", (2 * THUMB, 2 * THUMB))
     im = ImageOps.exif_transpose(im)
     grey = im if im.mode == "L" else im.convert("L")
-    return np.asarray(grey.resize((THUMB, THUMB), Image.Resampling.BOX), dtype=np.float64)
+    return np.asarray(grey.resize((THUMB, THUMB), Image.Resampling.BOX), dtype=np.float64), im.width / im.height
 
 
 @cache
@@ -81,9 +84,14 @@ def _phash(thumb: np.ndarray, window) -> np.ndarray:
 
 
 def fingerprint(im: Image.Image) -> np.ndarray:
-    """The photo's 16 hashes (whole picture first): (16, 4) uint64."""
-    thumb = thumbnail(im)
-    return np.stack([_phash(thumb, w) for w in WINDOWS])
+    """(17, 4) uint64: the photo's 16 hashes (whole picture first), then its aspect ratio (a float64's bits)."""
+    thumb, aspect = thumbnail(im)
+    shape = np.array([np.float64(aspect).view(np.uint64), 0, 0, 0], dtype=np.uint64)
+    return np.stack([*(_phash(thumb, w) for w in WINDOWS), shape])
+
+
+def aspects(fps: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(fps[:, len(WINDOWS), 0]).view(np.float64)
 
 
 def popcount(x: np.ndarray) -> np.ndarray:
@@ -106,17 +114,19 @@ def _masks(bits: int, radius: int) -> np.ndarray:
 
 
 def pairs(fps: np.ndarray, threshold: int = DEFAULT_THRESHOLD) -> list[tuple[int, int, int]]:
-    """(i, j, distance), i < j, for every two photos within `threshold` bits: fps is (N, 16, 4) uint64, the whole
-    picture's hash first."""
+    """(i, j, distance), i < j, for every two photos within `threshold` bits and of a shape a crop can make of the
+    other: fps is (N, 17, 4) uint64 (fingerprint's)."""
     n = len(fps)
     if n < 2:
         return []
+    shape = np.log(aspects(fps))
+    fps = fps[:, : len(WINDOWS)]
     whole, stored = fps[:, 0], fps.reshape(-1, WORDS)
     owner = np.repeat(np.arange(n), fps.shape[1])
     found: dict[tuple[int, int], int] = {}
     for qi, si in _candidates(whole[:, 0], stored[:, 0]):
         d = popcount(whole[qi] ^ stored[si]).sum(1)
-        keep = (d <= threshold) & (owner[si] != qi)
+        keep = (d <= threshold) & (owner[si] != qi) & (np.abs(shape[qi] - shape[owner[si]]) <= MAX_SHAPE_CHANGE)
         for a, b, dist in zip(qi[keep].tolist(), owner[si][keep].tolist(), d[keep].tolist()):
             key = (min(a, b), max(a, b))
             found[key] = min(found.get(key, 256), dist)
