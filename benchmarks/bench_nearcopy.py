@@ -66,21 +66,23 @@ def fingerprint(data: bytes) -> np.ndarray:
 
 def calibrate(pictures: list[tuple[str, Image.Image]]) -> dict:
     """Per threshold: each transform's recall (copy paired with its original) and the share of same-class pairs of
-    distinct pictures that pair."""
+    distinct pictures that pair, both over the pictures that are not plain (nearcopy.PLAIN), which are counted."""
     originals = [fingerprint(jpeg(im)) for _, im in pictures]
     made = [(k, name, fingerprint(jpeg(c))) for k, (_, im) in enumerate(pictures) for name, c in copies(im).items()]
     fps = np.stack(originals + [f for _, _, f in made])
     found = {(a, b): d for a, b, d in nearcopy.pairs(fps, max(THRESHOLDS))}
-    n = len(originals)
-    same = [(a, b) for a in range(n) for b in range(a + 1, n) if pictures[a][0] == pictures[b][0]]
+    n, plain = len(originals), nearcopy.plain(fps)
+    same = [(a, b) for a in range(n) for b in range(a + 1, n) if pictures[a][0] == pictures[b][0]
+            and not (plain[a] or plain[b])]
     rows = {}
     for t in THRESHOLDS:
         recall = {}
         for j, (k, name, _) in enumerate(made):
-            recall.setdefault(name, []).append(found.get((k, n + j), 999) <= t)
+            if not plain[k]:  # a plain picture is never paired, by design: counted apart
+                recall.setdefault(name, []).append(found.get((k, n + j), 999) <= t)
         rows[t] = {"recall": {k: float(np.mean(v)) for k, v in recall.items()},
                    "false_pairs": sum(found.get(p, 999) <= t for p in same) / max(len(same), 1)}
-    return {"pictures": n, "same_class_pairs": len(same), "by_threshold": rows}
+    return {"pictures": n, "plain": int(plain[:n].sum()), "same_class_pairs": len(same), "by_threshold": rows}
 
 
 def search(n: int, threshold: int) -> dict:

@@ -24,6 +24,7 @@ from fastpipe.convert.sources import Rejection
 from fastpipe.convert.summary import Summary, summarise
 from fastpipe.convert.workers import Workers
 from fastpipe.convert.writer import ShardWriter
+from fastpipe.dataset import nearcopy
 from fastpipe.dataset.manifest import Components, Manifest, SplitInfo, Stats
 from fastpipe.dataset.shardformat import encode_label
 from fastpipe.errors import DataError
@@ -187,13 +188,14 @@ def _convert_split(run: _SplitRun, source, hashed: tuple[dict, dict], pool, bar,
     return len(todo)
 
 
-def _finalize(cfg, source, progress, early: list[Rejection], ids: dict, pool, near: list[dict]) -> Manifest:
+def _finalize(cfg, source, progress, early: list[Rejection], ids: dict, pool, found: tuple) -> Manifest:
     """rejected.jsonl, near-duplicates.jsonl, previews, then dataset.json last: a conversion is complete only when
     every output is, so a run stopped in between (a full disk while drawing previews) is finished by the rerun, not
     declared done."""
     rejected = sorted([r.to_dict() for r in early] + [r for p in progress.values() for r in p.rejected],
                       key=lambda r: (r["path"], r["reason"]))
     write_jsonl_atomic(cfg.out / f"rejected{cfg.suffix}.jsonl", rejected)
+    near, plain = found
     write_jsonl_atomic(cfg.out / f"near-duplicates{cfg.suffix}.jsonl", near)
     manifest = Manifest(
         classes=tuple(source.classes),
@@ -205,7 +207,7 @@ def _finalize(cfg, source, progress, early: list[Rejection], ids: dict, pool, ne
         outputs={"rejected": f"rejected{cfg.suffix}.jsonl", "near_duplicates": {
             "file": f"near-duplicates{cfg.suffix}.jsonl", "groups": len(near),
             "photos": sum(len(g["photos"]) for g in near), "straddling": sum(g["straddles"] for g in near),
-            "label_conflicts": sum(g["label_conflict"] for g in near)}},
+            "label_conflicts": sum(g["label_conflict"] for g in near), "plain": plain}},
         task="multilabel" if source.multilabel else "single",
     )
     if cfg.parts == 1:
@@ -274,8 +276,9 @@ def _plan(cfg: ShardConfig, source, workers: int, pool):
     totals = {n: len(s) for n, s in ordered.items()}  # the whole split's size: --min-shards cuts by its share
     split_of = {s.path: n for n, samples in ordered.items() for s in samples}
     near_groups = [g.record(split_of) for g in groups]
+    plain = sum(bool(nearcopy.plain(f[None])[0]) for f in fps.values())
     return (mine, totals, plan.fingerprints(cfg.settings(), ordered, mine, hashes), early_all, (hashes, pixels),
-            near_groups)
+            (near_groups, plain))
 
 
 def _run(cfg: ShardConfig, source, summary: Summary, start: float) -> None:

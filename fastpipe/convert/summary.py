@@ -103,8 +103,10 @@ def summarise(summary: Summary, cfg) -> Summary:
 
 def near_note(near: dict | None, cfg) -> list[str]:
     """What the near-copies found did to the split, in one line (nothing without any)."""
+    plain = (f"{near['plain']} photos too plain to fingerprint (no structure at low frequencies, such as an "
+             f"evenly lit surface): never grouped") if near and near.get("plain") else ""
     if not near or not near.get("groups"):
-        return []
+        return [f"near-copies: {plain}"] if plain else []
     text = (f"near-copies: {near['groups']} groups of one picture ({near['photos']} photos, listed in "
             f"{near['file']})")
     if near.get("straddling"):
@@ -115,4 +117,4 @@ def near_note(near: dict | None, cfg) -> list[str]:
     if near.get("label_conflicts"):
         text += (f"; {near['label_conflicts']} of them under different labels (a mislabelled copy, or a "
                  f"difference too small for the fingerprint, such as a defect: look at them)")
-    return [text]
+    return [text + (f"; {plain}" if plain else "")]

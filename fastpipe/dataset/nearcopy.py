@@ -29,6 +29,9 @@ DEFAULT_THRESHOLD = 16
 MAX_THRESHOLD = 64
 # A copy cropped to 85 % of the width keeps its height: its width / height changes by at most that (the log of it)
 MAX_SHAPE_CHANGE = float(np.log(1 / 0.84))
+# A photo whose low frequencies are this weak (the median magnitude, about 0.06 grey levels of amplitude) has no
+# structure a fingerprint can hold: a clean, evenly lit surface; its bits would be noise, so it is never paired
+PLAIN = 16.0
 COARSE = 8  # the first 64 bits of a near-copy's hash differ in at most this many (measured: 6)
 PARTS = ((0, 22), (22, 43), (43, 64))  # bit ranges of the three parts
 
@@ -75,23 +78,33 @@ def _area(n: int, lo: float, hi: float) -> np.ndarray:
     return w / w.sum(1, keepdims=True)
 
 
-def _phash(thumb: np.ndarray, window) -> np.ndarray:
+def _coefficients(thumb: np.ndarray, window) -> np.ndarray:
     x0, y0, x1, y1 = window
     small = _area(thumb.shape[0], y0, y1) @ thumb @ _area(thumb.shape[1], x0, x1).T
-    c = (_dct() @ small @ _dct().T).ravel()[_zigzag()]  # 255 frequencies, DC left out (brightness)
+    return (_dct() @ small @ _dct().T).ravel()[_zigzag()]  # 255 frequencies, DC left out (brightness)
+
+
+def _phash(c: np.ndarray) -> np.ndarray:
     bits = c > np.median(c)
     return np.packbits(np.append(bits, False)).view(">u8").astype(np.uint64)
 
 
 def fingerprint(im: Image.Image) -> np.ndarray:
-    """(17, 4) uint64: the photo's 16 hashes (whole picture first), then its aspect ratio (a float64's bits)."""
+    """(17, 4) uint64: the photo's 16 hashes (whole picture first), then its aspect ratio (a float64's bits) and
+    whether it is plain (1: no structure at these frequencies, its bits noise: never paired)."""
     thumb, aspect = thumbnail(im)
-    shape = np.array([np.float64(aspect).view(np.uint64), 0, 0, 0], dtype=np.uint64)
-    return np.stack([*(_phash(thumb, w) for w in WINDOWS), shape])
+    coefficients = [_coefficients(thumb, w) for w in WINDOWS]
+    plain = np.median(np.abs(coefficients[0])) < PLAIN
+    shape = np.array([np.float64(aspect).view(np.uint64), int(plain), 0, 0], dtype=np.uint64)
+    return np.stack([*map(_phash, coefficients), shape])
 
 
 def aspects(fps: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(fps[:, len(WINDOWS), 0]).view(np.float64)
+
+
+def plain(fps: np.ndarray) -> np.ndarray:
+    return fps[:, len(WINDOWS), 1] == 1
 
 
 def popcount(x: np.ndarray) -> np.ndarray:
@@ -119,7 +132,7 @@ def pairs(fps: np.ndarray, threshold: int = DEFAULT_THRESHOLD) -> list[tuple[int
     n = len(fps)
     if n < 2:
         return []
-    shape = np.log(aspects(fps))
+    shape, usable = np.log(aspects(fps)), ~plain(fps)
     fps = fps[:, : len(WINDOWS)]
     whole, stored = fps[:, 0], fps.reshape(-1, WORDS)
     owner = np.repeat(np.arange(n), fps.shape[1])
@@ -127,6 +140,7 @@ def pairs(fps: np.ndarray, threshold: int = DEFAULT_THRESHOLD) -> list[tuple[int
     for qi, si in _candidates(whole[:, 0], stored[:, 0]):
         d = popcount(whole[qi] ^ stored[si]).sum(1)
         keep = (d <= threshold) & (owner[si] != qi) & (np.abs(shape[qi] - shape[owner[si]]) <= MAX_SHAPE_CHANGE)
+        keep &= usable[qi] & usable[owner[si]]
         for a, b, dist in zip(qi[keep].tolist(), owner[si][keep].tolist(), d[keep].tolist()):
             key = (min(a, b), max(a, b))
             found[key] = min(found.get(key, 256), dist)
