@@ -88,6 +88,16 @@ def _cmd_index(a) -> int:
     return 0
 
 
+def _threshold(text: str) -> int:
+    try:
+        bits = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of bits, 0..64") from None
+    if not 0 <= bits <= 64:
+        raise argparse.ArgumentTypeError(f"{bits}: use 0..64 bits (16 by default)")
+    return bits
+
+
 def _cmd_inspect(a) -> int:
     check_location(a.out)
     from fastpipe.convert.inspect import inspect
@@ -96,6 +106,12 @@ def _cmd_inspect(a) -> int:
     out = a.out if is_url(a.out) else local_path(a.out, "data set")
     report = inspect(out, verify=a.verify, repair=a.repair, cache_dir=a.cache_dir)
     print("\n".join(report.lines))
+    if a.against:
+        from fastpipe.convert.inspect import leaks
+
+        check_location(a.against)
+        other = a.against if is_url(a.against) else local_path(a.against, "data set")
+        print("\n".join(leaks(out, other, a.near_threshold, a.cache_dir)))
     return 0 if report.ok else 1
 
 
@@ -227,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "uploaded, dataset.json last")
     p.add_argument("--cache-dir", help="for a URL: the node cache the shards are read through (default "
                    "~/.cache/fastpipe/shards or $FASTPIPE_CACHE)")
+    p.add_argument("--against", metavar="B", help="another converted data set: the photos of this one with a "
+                   "near-copy in B (a test set against a training set), and near-copies.jpg showing them")
+    p.add_argument("--near-threshold", type=_threshold, default=None, help="bits within which fingerprints are "
+                   "near-copies (default: the one this data set was converted with)")
     p.set_defaults(func=_cmd_inspect, interrupt_hint=again)
     _configured(sub, "train", TrainConfig, _cmd_train, "",
                 help="train a torchvision classifier on converted shards (AMP, DDP, run folder)",

@@ -171,3 +171,44 @@ def test_bad_values_of_the_near_copy_options_are_refused_in_one_line(tmp_path, c
     assert code == 2 and not (tmp_path / "out").exists()
     err = capsys.readouterr().err.strip().splitlines()
     assert said in err[-1] and "Traceback" not in "\n".join(err)
+
+
+def test_inspect_against_another_set_finds_the_planted_copies(tmp_path, capsys, monkeypatch):
+    """A test set against a training set: the test photos that are copies of training photos, with a picture."""
+    train_src, test_src = tmp_path / "train-src", tmp_path / "test-src"
+    for k in range(10):
+        write(train_src / ("a" if k % 2 else "b") / f"t{k}.jpg", natural(k))
+        write(test_src / ("a" if k % 2 else "b") / f"n{k}.jpg", natural(50 + k))
+    write(test_src / "a" / "leak1.jpg", COPIES["half"](natural(3)))
+    write(test_src / "b" / "leak2.jpg", COPIES["crop"](natural(4)))
+    for src in (train_src, test_src):
+        shard(ShardConfig(src, tmp_path / src.name.replace("src", "set"), short_side=64, workers=0))
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "test-set"), "--against", str(tmp_path / "train-set")]) == 0
+    said = capsys.readouterr().out
+    assert "2 of the 12 photos of" in said
+    assert "train/a/leak1.jpg  ~  train/a/t3.jpg  (" in said and "train/b/leak2.jpg  ~  train/b/t4.jpg  (" in said
+    assert (tmp_path / "near-copies.jpg").stat().st_size > 3000
+    # a set converted without fingerprints says how to get them, in one line
+    shard(ShardConfig(train_src, tmp_path / "plain-set", short_side=64, workers=0, near_duplicates="off"))
+    assert main(["inspect", str(tmp_path / "test-set"), "--against", str(tmp_path / "plain-set")]) == 2
+    assert "holds no fingerprints" in capsys.readouterr().err
+
+
+def test_a_fingerprint_table_naming_paths_outside_its_source_is_not_followed(tmp_path):
+    """fingerprints.npz comes with a data set from anywhere: a path in it that climbs out of the source folder is
+    never read for the picture."""
+    from fastpipe.convert import against
+    from fastpipe.dataset.manifest import load
+
+    src = tmp_path / "src"
+    for k in range(4):
+        write(src / ("a" if k % 2 else "b") / f"p{k}.jpg", natural(k))
+    shard(ShardConfig(src, tmp_path / "set", short_side=64, workers=0))
+    secret = tmp_path / "secret.jpg"
+    write(secret, natural(9))
+    m = load(tmp_path / "set")
+    rows = [{"a_split": "train", "a_path": "../secret.jpg", "b_split": "train", "b_path": "../secret.jpg",
+             "bits": 0}]
+    assert not against.picture(rows, m, m, tmp_path / "out.jpg")  # nothing read, nothing drawn

@@ -195,8 +195,10 @@ def _finalize(cfg, source, progress, early: list[Rejection], ids: dict, pool, fo
     rejected = sorted([r.to_dict() for r in early] + [r for p in progress.values() for r in p.rejected],
                       key=lambda r: (r["path"], r["reason"]))
     write_jsonl_atomic(cfg.out / f"rejected{cfg.suffix}.jsonl", rejected)
-    near, plain = found
+    near, plain, table = found
     write_jsonl_atomic(cfg.out / f"near-duplicates{cfg.suffix}.jsonl", near)
+    if table is not None:
+        atomic_write_bytes(cfg.out / f"fingerprints{cfg.suffix}.npz", table)
     manifest = Manifest(
         classes=tuple(source.classes),
         splits={n: SplitInfo(tuple(p.shards), tuple(p.counts)) for n, p in progress.items()},
@@ -207,7 +209,8 @@ def _finalize(cfg, source, progress, early: list[Rejection], ids: dict, pool, fo
         outputs={"rejected": f"rejected{cfg.suffix}.jsonl", "near_duplicates": {
             "file": f"near-duplicates{cfg.suffix}.jsonl", "groups": len(near),
             "photos": sum(len(g["photos"]) for g in near), "straddling": sum(g["straddles"] for g in near),
-            "label_conflicts": sum(g["label_conflict"] for g in near), "plain": plain}},
+            "label_conflicts": sum(g["label_conflict"] for g in near), "plain": plain,
+            **({"fingerprints": f"fingerprints{cfg.suffix}.npz"} if table is not None else {})}},
         task="multilabel" if source.multilabel else "single",
     )
     if cfg.parts == 1:
@@ -277,8 +280,9 @@ def _plan(cfg: ShardConfig, source, workers: int, pool):
     split_of = {s.path: n for n, samples in ordered.items() for s in samples}
     near_groups = [g.record(split_of) for g in groups]
     plain = sum(bool(nearcopy.plain(f[None])[0]) for f in fps.values())
+    kept = [(n, s.path) for n, samples in ordered.items() for s in samples if s.path in fps]
     return (mine, totals, plan.fingerprints(cfg.settings(), ordered, mine, hashes), early_all, (hashes, pixels),
-            (near_groups, plain))
+            (near_groups, plain, nearcopy.table(kept, fps) if cfg.near_duplicates != "off" else None))
 
 
 def _run(cfg: ShardConfig, source, summary: Summary, start: float) -> None:

@@ -206,3 +206,18 @@ def inspect(out, verify: bool = False, repair: bool = False, storage_options: di
                                 f"DALI stops. `fastpipe inspect --verify --repair {m.location}` leaves them out of "
                                 f"the .idx files (the shards stay as they are)")
     return report
+
+
+def leaks(out, other, threshold: int | None = None, cache_dir=None) -> list[str]:
+    """`inspect A --against B`: the lines to print, near-copies.jpg written in the current folder."""
+    from pathlib import Path
+
+    from fastpipe.convert import against
+
+    a, b = load(out, None, cache_dir), load(other, None, cache_dir)
+    bits = threshold if threshold is not None else int(a.settings.get("near_threshold") or 16)
+    rows = against.against(a, b, bits)
+    found = against.lines(rows, a, b, sum(sp.samples for sp in a.splits.values()))
+    if rows and against.picture(rows, a, b, Path("near-copies.jpg")):
+        found.append(f"  picture: {Path('near-copies.jpg').resolve()} ({min(len(rows), 8)} pairs, A left, B right)")
+    return found

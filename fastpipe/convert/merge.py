@@ -20,7 +20,7 @@ from fastpipe.convert.publish import staging_folder, upload
 from fastpipe.dataset.manifest import MANIFEST_NAME, Manifest, ManifestError, SplitInfo, Stats, from_dict, load, save
 from fastpipe.store.remote import Remote, is_url
 from fastpipe.store.urls import local_path
-from fastpipe.util import FolderLock, parse_json, read_json, write_jsonl_atomic
+from fastpipe.util import FolderLock, atomic_write_bytes, parse_json, read_json, write_jsonl_atomic
 
 PART_RE = re.compile(r"dataset\.part-(\d{3})-of-(\d{3})\.json$")
 
@@ -83,7 +83,11 @@ def merge_in(out: Path, read, where: str | None = None) -> Manifest:
     if near is not None and (out / near["file"]).is_file():
         groups = [parse_json(line) for line in (out / near["file"]).read_text().splitlines()]
         write_jsonl_atomic(out / "near-duplicates.jsonl", groups)
-        manifest.outputs["near_duplicates"] = {**near, "file": "near-duplicates.jsonl"}
+        manifest.outputs["near_duplicates"] = {k: v for k, v in near.items() if k not in ("fingerprints", "preview")}
+        manifest.outputs["near_duplicates"]["file"] = "near-duplicates.jsonl"
+        if "fingerprints" in near and (out / near["fingerprints"]).is_file():
+            atomic_write_bytes(out / "fingerprints.npz", (out / near["fingerprints"]).read_bytes())
+            manifest.outputs["near_duplicates"]["fingerprints"] = "fingerprints.npz"
     seed = settings.get("seed", 0)
     if all("preview_candidates" in m.outputs for m in parts):
         picked = previews.from_candidates([_candidates(m) for m in parts], manifest.classes, seed)
@@ -125,8 +129,9 @@ def merge_to_url(url: str, storage_options: dict | None = None):
     No shard is read whole; nothing to resume: a failed merge is run again from the store."""
     url = url.rstrip("/")
     remote = Remote(url, storage_options)
-    records = [r for pattern in ("dataset", "rejected", "near-duplicates")
-               for r in remote.glob(f"{pattern}.part-*-of-*.json{'' if pattern == 'dataset' else 'l'}")]
+    records = [r for pattern in ("dataset.part-*-of-*.json", "rejected.part-*-of-*.jsonl",
+                                 "near-duplicates.part-*-of-*.jsonl", "fingerprints.part-*-of-*.npz")
+               for r in remote.glob(pattern)]
     staging = staging_folder(url + "#merge")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)

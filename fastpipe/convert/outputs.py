@@ -48,7 +48,7 @@ def manifest_files(m) -> set[Path]:
         files.add(m.root / m.outputs["rejected"])
     if "near_duplicates" in m.outputs:
         near = m.outputs["near_duplicates"]
-        files |= {m.root / near[k] for k in ("file", "preview") if k in near}
+        files |= {m.root / near[k] for k in ("file", "preview", "fingerprints") if k in near}
     return files | {m.root / p for p in m.outputs.get("readers", [])}
 
 

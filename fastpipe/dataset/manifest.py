@@ -290,7 +290,7 @@ class _Check:
         near = out.get("near_duplicates", {"file": "near-duplicates.jsonl"})
         self.expect(isinstance(near, dict) and "file" in near, "outputs.near_duplicates", "an object with a file",
                     near)
-        for k in ("file", "preview"):
+        for k in ("file", "preview", "fingerprints"):
             if k in near:
                 self.inside(near[k], f"outputs.near_duplicates.{k}")
         self.expect(isinstance(out.get("readers", []), list), "outputs.readers", "a list of file names", out)

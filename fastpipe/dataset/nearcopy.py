@@ -15,6 +15,7 @@ arrays of every window's parts; only those candidates are compared on all 256 bi
 
 from __future__ import annotations
 
+import io
 import itertools
 from functools import cache
 
@@ -54,7 +55,7 @@ def thumbnail(im: Image.Image) -> tuple[np.ndarray, float]:
         im.draft("L", (2 * THUMB, 2 * THUMB))
     im = ImageOps.exif_transpose(im)
     grey = im if im.mode == "L" else im.convert("L")
-    return np.asarray(grey.resize((THUMB, THUMB), Image.Resampling.BOX), dtype=np.float64), im.width / im.height
+    return np.asarray(grey.resize((THUMB, THUMB), Image.Resampling.BILINEAR), dtype=np.float64), im.width / im.height
 
 
 @cache
@@ -181,3 +182,21 @@ def groups(n: int, near: list[tuple[int, int, int]]) -> list[list[int]]:
     for i in range(n):
         members.setdefault(root(i), []).append(i)
     return sorted((m for m in members.values() if len(m) > 1), key=lambda m: m[0])
+
+
+def table(samples: list[tuple[str, str]], fps: dict[str, np.ndarray]) -> bytes:
+    """fingerprints.npz: each (split, source path)'s fingerprint, for later comparisons without decoding again."""
+    buf = io.BytesIO()
+    np.savez(buf, split=np.array([s for s, _ in samples], dtype=str), path=np.array([p for _, p in samples], dtype=str),
+             fingerprint=np.stack([fps[p] for _, p in samples]) if samples else np.zeros((0, len(WINDOWS) + 1, WORDS),
+                                                                                            dtype=np.uint64))
+    return buf.getvalue()
+
+
+def read_table(data: bytes) -> tuple[list[str], list[str], np.ndarray]:
+    """(splits, paths, fingerprints) of a fingerprints.npz, checked: no pickled objects, the shapes as written."""
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
+        split, path, fps = z["split"], z["path"], z["fingerprint"]
+    if fps.dtype != np.uint64 or fps.shape[1:] != (len(WINDOWS) + 1, WORDS) or not len(split) == len(path) == len(fps):
+        raise ValueError(f"fingerprints of shape {fps.shape} ({fps.dtype}) for {len(path)} paths: not fastpipe's")
+    return split.tolist(), path.tolist(), fps
