@@ -212,3 +212,32 @@ def test_a_fingerprint_table_naming_paths_outside_its_source_is_not_followed(tmp
     rows = [{"a_split": "train", "a_path": "../secret.jpg", "b_split": "train", "b_path": "../secret.jpg",
              "bits": 0}]
     assert not against.picture(rows, m, m, tmp_path / "out.jpg")  # nothing read, nothing drawn
+
+
+def test_predict_says_which_photos_are_near_copies_of_the_runs_training_photos(tmp_path, capsys):
+    from fastpipe.train.config import TrainConfig
+    from fastpipe.train.session import train
+
+    src = tmp_path / "src"
+    for k in range(16):
+        write(src / ("a" if k % 2 else "b") / f"p{k:02d}.jpg", natural(k))
+    shard(ShardConfig(src, tmp_path / "set", short_side=64, workers=0, val_fraction=0.25))
+    run = train(TrainConfig(data=str(tmp_path / "set"), out=str(tmp_path / "run"), model="resnet18", batch_size=4,
+                            image_size=32, workers=0, device="cpu", epochs=1, log_every=4))
+    split = dict(zip(*[np.load(tmp_path / "set" / "fingerprints.npz")[k].tolist() for k in ("path", "split")]))
+    train_photo = next(p for p, s in sorted(split.items()) if s == "train")
+    new = tmp_path / "new"
+    write(new / "copy.jpg", COPIES["half"](Image.open(src / train_photo)))
+    write(new / "fresh.jpg", natural(999))
+    capsys.readouterr()
+    assert main(["predict", str(run), str(new), "--out", str(tmp_path / "p.csv")]) == 0
+    rows = {Path(r["path"]).name: r for r in csv_rows(tmp_path / "p.csv")}
+    assert rows["copy.jpg"]["detail"].startswith(f"a near-copy of the training photo {train_photo} (")
+    assert rows["fresh.jpg"]["detail"] == ""
+    assert "note: 1 photos are near-copies of photos this run trained on" in capsys.readouterr().out
+
+
+def csv_rows(path: Path) -> list[dict]:
+    import csv
+
+    return list(csv.DictReader(path.open()))

@@ -19,6 +19,9 @@ from fastpipe.errors import ConfigError
 SHOWN_ERRORS = 32
 
 
+NEAR_TRAINING = "a near-copy of the training photo"  # an ok row's detail: its score says what training saw
+
+
 @dataclass
 class Row:
     path: str
@@ -36,7 +39,7 @@ class Output:
     def __init__(self, path: Path, fmt: str, model, top_k: int):
         self.path, self.fmt, self.model, self.top_k = path, fmt, model, min(top_k, len(model.classes))
         self.classes, self.index = model.classes, {c: k for k, c in enumerate(model.classes)}
-        self.count = self.rejected = self.unknown = 0
+        self.count = self.rejected = self.unknown = self.near_training = 0
         self.scored: list[tuple[object, list[float]]] = []  # (label index or multi-hot, scores)
         self.mistakes: list[tuple[float, int, dict, bytes]] = []  # a min-heap of the most confident
         if path.is_symlink() or path.is_dir():
@@ -68,6 +71,7 @@ class Output:
         for r in rows:
             self.count += 1
             self.rejected += r.scores is None
+            self.near_training += r.detail.startswith(NEAR_TRAINING)
             record = self._record(r)
             if self.csv:
                 self.csv.writerow([_inert(c) for c in self._cells(record)])
@@ -132,6 +136,10 @@ class Output:
         if self.unknown:
             lines.append(f"note: {self.unknown} photos are labelled with classes the model does not know: predicted, "
                          f"not scored")
+        if self.near_training:
+            lines.append(f"note: {self.near_training} photos are near-copies of photos this run trained on (the "
+                         f"detail column names each): their scores say what training saw, not how the model does on "
+                         f"new photos")
         if self.scored:
             from fastpipe.predict.report import report
 
@@ -152,4 +160,4 @@ def _inert(cell):
     return f"'{cell}" if isinstance(cell, str) and cell[:1] in ("=", "+", "-", "@", "\t", "\r") else cell
 
 
-__all__ = ["Output", "Row"]
+__all__ = ["NEAR_TRAINING", "Output", "Row"]

@@ -26,8 +26,9 @@ from fastpipe.dataset.shardformat import encode_label
 from fastpipe.loaders import cpu_ops, make_loader_from
 from fastpipe.predict import photos
 from fastpipe.predict.config import PredictConfig
+from fastpipe.predict.leak import TrainingPhotos
 from fastpipe.predict.model import NON_FINITE, Model, load_model
-from fastpipe.predict.output import Output, Row
+from fastpipe.predict.output import NEAR_TRAINING, Output, Row
 from fastpipe.util import usable_cores
 
 
@@ -50,8 +51,9 @@ def predict(cfg: PredictConfig, log=print) -> Result:
     log(f"model: {model.source} ({model.card['model']}, {len(model.classes)} classes, {model.card['image_size']} px)"
         f"; {len(found.items)} photos")
     output = Output(Path(cfg.out), cfg.out_format, model, cfg.top_k)
+    training = TrainingPhotos.of_run(cfg.model)
     with output, _cores_left(model, cfg), tqdm(total=len(found.items), unit="photo", desc="predict") as bar:
-        for rows in _chunks(found, model, cfg):
+        for rows in _chunks(found, model, cfg, training):
             output.write(rows)
             bar.update(len(rows))
         output.write([Row(r.path, None, None, r.reason, r.detail) for r in found.rejections])
@@ -94,14 +96,21 @@ def chunk_size(batch_size: int) -> int:
     return min(max(128, 4 * batch_size), 8192)  # prepared photos held in memory at once: bounded
 
 
-def _chunks(found: photos.Photos, model: Model, cfg: PredictConfig):
-    """The rows of every photo, a chunk at a time, in SRC's order."""
+def _chunks(found: photos.Photos, model: Model, cfg: PredictConfig, training: TrainingPhotos | None = None):
+    """The rows of every photo, a chunk at a time, in SRC's order; a photo that is a near-copy of one the run
+    trained on says so in its detail."""
     size, items = chunk_size(cfg.batch_size), found.items
     prepared = _prepared(found, model, cfg, size)
     try:
         for start in range(0, len(items), size):
             part = items[start : start + size]
-            yield _predict_chunk(part, [next(prepared) for _ in part], model, cfg)
+            ready = [next(prepared) for _ in part]
+            rows = _predict_chunk(part, ready, model, cfg)
+            if training is not None:
+                for row, copy in zip(rows, training.copies([r if isinstance(r, bytes) else None for r in ready])):
+                    if copy is not None and row.status == "ok":
+                        row.detail = f"{NEAR_TRAINING} {copy[0]} ({copy[1]} bits)"
+            yield rows
     finally:
         prepared.close()
 
