@@ -92,9 +92,9 @@ def _threshold(text: str) -> int:
     try:
         bits = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of bits, 0..64") from None
-    if not 0 <= bits <= 64:
-        raise argparse.ArgumentTypeError(f"{bits}: use 0..64 bits (16 by default)")
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of bits, 0..32") from None
+    if not 0 <= bits <= 32:
+        raise argparse.ArgumentTypeError(f"{bits}: use 0..32 bits (16 by default)")
     return bits
 
 

@@ -241,3 +241,38 @@ def csv_rows(path: Path) -> list[dict]:
     import csv
 
     return list(csv.DictReader(path.open()))
+
+
+def test_a_thousand_copies_of_one_picture_cost_one_and_blank_frames_none():
+    """Identical fingerprints are linked to the first of them; plain ones (a black frame) are never candidates: the
+    search stays linear in them (a thousand black frames made 1.5 GB of candidate pairs)."""
+    one = nearcopy.fingerprint(Image.open(io.BytesIO(jpeg(natural(1)))))
+    black = nearcopy.fingerprint(Image.open(io.BytesIO(jpeg(Image.new("RGB", (320, 240))))))
+    assert nearcopy.plain(black[None])[0] and not nearcopy.plain(one[None])[0]
+    found = nearcopy.pairs(np.stack([one] * 1000 + [black] * 1000))
+    assert found == [(0, k, 0) for k in range(1, 1000)]
+
+
+@pytest.mark.parametrize("damage", ["object", "names", "truncated", "shape"])
+def test_a_damaged_or_crafted_fingerprint_table_is_refused_in_one_line(tmp_path, capsys, damage):
+    """fingerprints.npz comes with a data set from anywhere: pickled objects, other members, a cut file or other
+    shapes are refused by inspect --against in one line, and predict leaves its note out rather than failing."""
+    src = tmp_path / "src"
+    for k in range(4):
+        write(src / ("a" if k % 2 else "b") / f"p{k}.jpg", natural(k))
+    out = tmp_path / "set"
+    shard(ShardConfig(src, out, short_side=64, workers=0))
+    table = out / "fingerprints.npz"
+    if damage == "object":
+        np.savez(table, split=np.array(["train"], dtype=object), path=np.array(["x"], dtype=object),
+                 fingerprint=np.zeros((1, 17, 4), np.uint64))
+    elif damage == "names":
+        np.savez(table, other=np.zeros(3))
+    elif damage == "truncated":
+        table.write_bytes(table.read_bytes()[:200])
+    else:
+        np.savez(table, split=np.array(["train"]), path=np.array(["x"]), fingerprint=np.zeros((1, 3), np.uint64))
+    capsys.readouterr()
+    assert main(["inspect", str(out), "--against", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a fingerprint table fastpipe wrote" in err[0]

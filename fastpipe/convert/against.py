@@ -17,7 +17,7 @@ from fastpipe.errors import ConfigError, DataError
 from fastpipe.store.urls import check_relative
 from fastpipe.util import atomic_write_bytes, read_regular
 
-MAX_TABLE = 4 << 30  # a fingerprints.npz of 8 million photos
+MAX_TABLE = 1 << 30  # a fingerprints.npz of about 2 million photos
 
 
 def fingerprints(m: Manifest) -> tuple[list[str], list[str], np.ndarray]:
@@ -36,14 +36,13 @@ def fingerprints(m: Manifest) -> tuple[list[str], list[str], np.ndarray]:
 
 
 def against(a: Manifest, b: Manifest, threshold: int) -> list[dict]:
-    """Each photo of A with its closest near-copy in B: {a_split, a_path, b_split, b_path, bits}, by A's path."""
+    """Each photo of A with its closest near-copy in B: {a_split, a_path, b_split, b_path, bits}, by A's path. A
+    photo of A is looked for whole among B's photos and their crops (a copy of a B photo, resized, recompressed or
+    cut from it); a B photo cut from a larger A photo is not looked for."""
     (sa, pa, fa), (sb, pb, fb) = fingerprints(a), fingerprints(b)
-    best: dict[int, tuple[int, int]] = {}
-    for i, j, d in nearcopy.pairs(np.concatenate([fa, fb]), threshold):
-        if i < len(pa) <= j and d < best.get(i, (0, 999))[1]:
-            best[i] = (j - len(pa), d)
+    best = nearcopy.nearest(fa, nearcopy.Index(fb), threshold)  # A's whole pictures against B's crops of theirs
     return sorted(({"a_split": sa[i], "a_path": pa[i], "b_split": sb[j], "b_path": pb[j], "bits": d}
-                   for i, (j, d) in best.items()), key=lambda r: r["a_path"])
+                   for i, found in enumerate(best) if found for j, d in [found]), key=lambda r: r["a_path"])
 
 
 def lines(rows: list[dict], a: Manifest, b: Manifest, photos: int, shown: int = 20) -> list[str]:
@@ -51,9 +50,14 @@ def lines(rows: list[dict], a: Manifest, b: Manifest, photos: int, shown: int = 
         return [f"against {b.location}: none of the {photos} photos of {a.location} has a near-copy there"]
     out = [f"against {b.location}: {len(rows)} of the {photos} photos of {a.location} have a near-copy there "
            f"(a test set that overlaps training scores what training saw)"]
-    out += [f"  {r['a_split']}/{r['a_path']}  ~  {r['b_split']}/{r['b_path']}  ({r['bits']} bits)"
-            for r in rows[:shown]]
+    out += [f"  {_shown(r['a_split'])}/{_shown(r['a_path'])}  ~  {_shown(r['b_split'])}/{_shown(r['b_path'])}  "
+            f"({r['bits']} bits)" for r in rows[:shown]]
     return out + ([f"  ... and {len(rows) - shown} more"] if len(rows) > shown else [])
+
+
+def _shown(text: str) -> str:
+    """A path from a table anyone could have written, printable: control characters escaped."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 def picture(rows: list[dict], a: Manifest, b: Manifest, path: Path, shown: int = 8, cell: int = 200) -> bool:

@@ -62,7 +62,7 @@ class ShardConfig:
                                         "drop (one photo per group kept) or off",
                                choices=("group", "drop-from-val", "drop", "off"))
     near_threshold: int = opt(16, "bits of 256 within which two photos' fingerprints are near-copies (calibrated: "
-                                  "docs/benchmarks.md)", low=0, high=64)
+                                  "docs/benchmarks.md)", low=0, high=32)
     on_change: str = opt("reject", "a photo whose bytes changed between planning (hashing) and converting: reject "
                                    "it (recorded as 'changed', the run goes on) or stop the run, naming it",
                          choices=("reject", "stop"))
@@ -73,8 +73,13 @@ class ShardConfig:
         return {"source": source, "short_side": self.short_side,
                 "quality": self.quality, "val_fraction": self.val_fraction, "seed": self.seed,
                 "max_shard_size": self.shard_bytes, "min_shards": self.shard_count, "max_pixels": self.max_pixels,
-                "part": self.part, "parts": self.parts, "near_duplicates": self.near_duplicates,
-                "near_threshold": self.near_threshold}
+                "part": self.part, "parts": self.parts, **self._near_settings()}
+
+    def _near_settings(self) -> dict:
+        """The near-copy settings where they are not the defaults: a conversion made before they existed, whose split
+        they do not change, stays up to date (one they change differs in its plan anyway)."""
+        near = {"near_duplicates": self.near_duplicates, "near_threshold": self.near_threshold}
+        return {k: v for k, v in near.items() if v != type(self).__dataclass_fields__[k].default}
 
     def changes_from(self, saved: dict) -> list[str]:
         """The settings that differ from a conversion's recorded ones (dataset.json's or its journal's), as the

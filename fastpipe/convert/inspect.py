@@ -16,7 +16,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from fastpipe.convert.repair import repair_indexes
-from fastpipe.dataset import imageguard
+from fastpipe.dataset import imageguard, nearcopy
 from fastpipe.dataset.manifest import Manifest, load
 from fastpipe.dataset.shardformat import (
     BLOCK,
@@ -78,14 +78,14 @@ def _summary(m: Manifest) -> list[str]:
 
 def _near_line(m: Manifest) -> list[str]:
     """The near-copy groups the conversion found, or that it did not look for them."""
-    near, mode = m.outputs.get("near_duplicates"), m.settings.get("near_duplicates")
-    if near is None or mode is None:
+    near, mode = m.outputs.get("near_duplicates"), m.settings.get("near_duplicates", "group")
+    if near is None:
         return [] if m.foreign else ["  near-copies: not looked for (converted before fastpipe fingerprinted photos; "
                                      "convert again to find them)"]
     if mode == "off":
         return ["  near-copies: not looked for (--near-duplicates off)"]
     text = (f"  near-copies: {near.get('groups', 0)} groups, {near.get('photos', 0)} photos (threshold "
-            f"{m.settings.get('near_threshold')} bits; see {m.location}/{near['file']})")
+            f"{nearcopy.threshold_of(m.settings)} bits; see {m.location}/{near['file']})")
     extra = [f"{near['straddling']} straddle train and val" if near.get("straddling") else "",
              f"{near['label_conflicts']} under different labels" if near.get("label_conflicts") else ""]
     return [text + "".join(f"; {e}" for e in extra if e)]
@@ -215,7 +215,7 @@ def leaks(out, other, threshold: int | None = None, cache_dir=None) -> list[str]
     from fastpipe.convert import against
 
     a, b = load(out, None, cache_dir), load(other, None, cache_dir)
-    bits = threshold if threshold is not None else int(a.settings.get("near_threshold") or 16)
+    bits = threshold if threshold is not None else nearcopy.threshold_of(a.settings)
     rows = against.against(a, b, bits)
     found = against.lines(rows, a, b, sum(sp.samples for sp in a.splits.values()))
     if rows and against.picture(rows, a, b, Path("near-copies.jpg")):

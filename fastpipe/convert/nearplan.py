@@ -67,8 +67,9 @@ def resolve(items: list[Item], groups: list[Group], mode: str) -> tuple[list[Ite
     kept_groups = []
     for g in groups:
         if mode == "drop" and len(g.labels()) == 1:
-            rejected += [Rejection(i.path, "near-duplicate", f"a near-copy of {g.items[0].path} (differs in "
-                                                             f"{g.distance[i.path]} bits): one kept")
+            rejected += [Rejection(i.path, "near-duplicate", f"in a group of near-copies with {g.items[0].path}, "
+                                                             f"which is kept ({g.distance[i.path]} bits from the "
+                                                             f"closest of the group)")
                          for i in g.items[1:]]
         elif mode == "drop-from-val" and g.straddles():
             train = next(i.path for i in g.items if i.split == "train")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import zipfile
 from functools import cache
 
 import numpy as np
@@ -27,7 +28,6 @@ HASH = 32  # each window is resized to HASH x HASH for its DCT
 K = 16  # the K x K lowest frequencies
 WORDS = 4  # 256 bits (255 frequencies and a zero)
 DEFAULT_THRESHOLD = 16
-MAX_THRESHOLD = 64
 # A copy cropped to 85 % of the width keeps its height: its width / height changes by at most that (the log of it)
 MAX_SHAPE_CHANGE = float(np.log(1 / 0.84))
 # A photo whose low frequencies are this weak (the median magnitude, about 0.06 grey levels of amplitude) has no
@@ -108,6 +108,12 @@ def plain(fps: np.ndarray) -> np.ndarray:
     return fps[:, len(WINDOWS), 1] == 1
 
 
+def threshold_of(settings: dict) -> int:
+    """The threshold a data set was converted with (its dataset.json: anyone's to edit), or the default."""
+    bits = settings.get("near_threshold")
+    return bits if type(bits) is int and 0 <= bits <= 32 else DEFAULT_THRESHOLD
+
+
 def popcount(x: np.ndarray) -> np.ndarray:
     if hasattr(np, "bitwise_count"):
         return np.bitwise_count(x)
@@ -127,41 +133,75 @@ def _masks(bits: int, radius: int) -> np.ndarray:
     return np.array(out, dtype=np.uint64)
 
 
+class Index:
+    """The window hashes of a set of fingerprints, ready to be asked which of them a whole-picture hash may be near:
+    per part of the coarse 64 bits, the windows sorted by that part with where each value starts (a table of 2^bits
+    entries), so that a probe is one lookup."""
+
+    def __init__(self, fps: np.ndarray):
+        self.fps = fps
+        self.stored = fps[:, : len(WINDOWS)].reshape(-1, WORDS)
+        self.owner = np.repeat(np.arange(len(fps)), len(WINDOWS))
+        self.shape, self.usable = np.log(aspects(fps)), ~plain(fps)
+        self.parts = []
+        for part in PARTS:
+            keys = _part(self.stored[:, 0], part).astype(np.int64)
+            counts = np.bincount(keys, minlength=1 << (part[1] - part[0]))
+            self.parts.append((part, np.argsort(keys, kind="stable"), np.cumsum(counts) - counts, counts))
+
+    def candidates(self, whole: np.ndarray):
+        """(query index, stored window index) arrays, per probe, of every pair whose coarse hashes may be within
+        COARSE bits (a pair may come more than once)."""
+        for part, order, starts, counts in self.parts:
+            q = _part(whole[:, 0], part)
+            for mask in _masks(part[1] - part[0], COARSE // len(PARTS)):
+                probe = (q ^ mask).astype(np.int64)
+                lo, n = starts[probe], counts[probe]
+                if n.any():
+                    offset = np.repeat(lo - np.cumsum(n) + n, n)  # each hit's place within its range
+                    yield np.repeat(np.arange(len(q)), n), order[offset + np.arange(n.sum())]
+
+    def near(self, fps: np.ndarray, threshold: int):
+        """(query index, stored photo index, bits) of every query photo's whole picture within `threshold` bits of a
+        stored photo's window, both usable and of shapes a crop can make of each other."""
+        whole, shape, usable = fps[:, 0], np.log(aspects(fps)), ~plain(fps)
+        for qi, si in self.candidates(whole):
+            d = popcount(whole[qi] ^ self.stored[si]).sum(1)
+            owner = self.owner[si]
+            keep = (d <= threshold) & usable[qi] & self.usable[owner]
+            keep &= np.abs(shape[qi] - self.shape[owner]) <= MAX_SHAPE_CHANGE
+            yield qi[keep], owner[keep], d[keep]
+
+
 def pairs(fps: np.ndarray, threshold: int = DEFAULT_THRESHOLD) -> list[tuple[int, int, int]]:
-    """(i, j, distance), i < j, for every two photos within `threshold` bits and of a shape a crop can make of the
-    other: fps is (N, 17, 4) uint64 (fingerprint's)."""
-    n = len(fps)
-    if n < 2:
+    """(i, j, distance), i < j, linking every photo to those within `threshold` bits of it and of a shape a crop can
+    make of it: fps is (N, 17, 4) uint64 (fingerprint's). Photos with the same fingerprint are linked to the first of
+    them only (at 0 bits), and that one to the rest, so that a thousand copies of one picture cost one."""
+    if len(fps) < 2:
         return []
-    shape, usable = np.log(aspects(fps)), ~plain(fps)
-    fps = fps[:, : len(WINDOWS)]
-    whole, stored = fps[:, 0], fps.reshape(-1, WORDS)
-    owner = np.repeat(np.arange(n), fps.shape[1])
-    found: dict[tuple[int, int], int] = {}
-    for qi, si in _candidates(whole[:, 0], stored[:, 0]):
-        d = popcount(whole[qi] ^ stored[si]).sum(1)
-        keep = (d <= threshold) & (owner[si] != qi) & (np.abs(shape[qi] - shape[owner[si]]) <= MAX_SHAPE_CHANGE)
-        keep &= usable[qi] & usable[owner[si]]
-        for a, b, dist in zip(qi[keep].tolist(), owner[si][keep].tolist(), d[keep].tolist()):
-            key = (min(a, b), max(a, b))
-            found[key] = min(found.get(key, 256), dist)
+    first, rep = np.unique(fps.reshape(len(fps), -1), axis=0, return_index=True, return_inverse=True)[1:]
+    rep = first[rep.ravel()]  # each photo's representative: the first photo with its fingerprint
+    flat = plain(fps)
+    found: dict[tuple[int, int], int] = {(int(r), i): 0 for i, r in enumerate(rep) if r != i and not flat[i]}
+    reps = np.flatnonzero(rep == np.arange(len(fps)))
+    index = Index(fps[reps])
+    for qi, si, d in index.near(fps[reps], threshold):
+        for a, b, dist in zip(reps[qi].tolist(), reps[si].tolist(), d.tolist()):
+            if a != b:
+                key = (min(a, b), max(a, b))
+                found[key] = min(found.get(key, 256), dist)
     return sorted((a, b, d) for (a, b), d in found.items())
 
 
-def _candidates(queries: np.ndarray, stored: np.ndarray):
-    """(query index, stored index) arrays of every pair whose coarse hashes may be within COARSE bits: per part, the
-    stored hashes whose part is within COARSE // 3 bits of the query's (some may repeat across parts)."""
-    for part in PARTS:
-        keys, q = _part(stored, part), _part(queries, part)
-        order = np.argsort(keys, kind="stable")
-        sorted_keys = keys[order]
-        for mask in _masks(part[1] - part[0], COARSE // len(PARTS)):
-            probe = q ^ mask
-            lo, hi = np.searchsorted(sorted_keys, probe, "left"), np.searchsorted(sorted_keys, probe, "right")
-            counts = hi - lo
-            if counts.any():
-                starts = np.repeat(lo - np.cumsum(counts) + counts, counts)  # each hit's offset within its range
-                yield np.repeat(np.arange(len(q)), counts), order[starts + np.arange(counts.sum())]
+def nearest(fps: np.ndarray, index: Index, threshold: int) -> list[tuple[int, int] | None]:
+    """For each photo of fps, the indexed photo whose window its whole picture is closest to (within `threshold`
+    bits) and how far: (index photo, bits), or None."""
+    best: list[tuple[int, int] | None] = [None] * len(fps)
+    for qi, si, d in index.near(fps, threshold):
+        for a, b, dist in zip(qi.tolist(), si.tolist(), d.tolist()):
+            if best[a] is None or dist < best[a][1]:
+                best[a] = (b, dist)
+    return best
 
 
 def groups(n: int, near: list[tuple[int, int, int]]) -> list[list[int]]:
@@ -193,10 +233,22 @@ def table(samples: list[tuple[str, str]], fps: dict[str, np.ndarray]) -> bytes:
     return buf.getvalue()
 
 
-def read_table(data: bytes) -> tuple[list[str], list[str], np.ndarray]:
-    """(splits, paths, fingerprints) of a fingerprints.npz, checked: no pickled objects, the shapes as written."""
-    with np.load(io.BytesIO(data), allow_pickle=False) as z:
-        split, path, fps = z["split"], z["path"], z["fingerprint"]
-    if fps.dtype != np.uint64 or fps.shape[1:] != (len(WINDOWS) + 1, WORDS) or not len(split) == len(path) == len(fps):
-        raise ValueError(f"fingerprints of shape {fps.shape} ({fps.dtype}) for {len(path)} paths: not fastpipe's")
+def read_table(data: bytes, limit: int = 2 << 30) -> tuple[list[str], list[str], np.ndarray]:
+    """(splits, paths, fingerprints) of a fingerprints.npz, checked before anything is unpacked (its three members,
+    their unpacked size within `limit`) and after (no pickled objects, text arrays of paths, the shapes as
+    written); a ValueError saying what is wrong otherwise."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            members = {i.filename: i.file_size for i in z.infolist()}
+        if set(members) != {"split.npy", "path.npy", "fingerprint.npy"} or sum(members.values()) > limit:
+            raise ValueError(f"members {sorted(members)[:5]} of {sum(members.values())} bytes unpacked")
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            split, path, fps = z["split"], z["path"], z["fingerprint"]
+    except (zipfile.BadZipFile, OSError, EOFError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"not a fingerprint table fastpipe wrote ({type(e).__name__}: {e})") from None
+    texts = all(a.ndim == 1 and a.dtype.kind == "U" and a.dtype.itemsize <= 4 * 4096 for a in (split, path))
+    if not texts or fps.dtype != np.uint64 or fps.shape[1:] != (len(WINDOWS) + 1, WORDS) or \
+            not len(split) == len(path) == len(fps):
+        raise ValueError(f"fingerprints of shape {fps.shape} ({fps.dtype}) for paths {path.shape} ({path.dtype}): "
+                         f"not fastpipe's")
     return split.tolist(), path.tolist(), fps

@@ -72,10 +72,11 @@ _thread = threading.local()  # a loader thread's (worker id, worker count): thre
 def worker_info() -> tuple[int, int] | None:
     """(id, count) of the loader worker this code runs in, a DataLoader worker process or a loader thread; None in
     the training process's own decoding (num_workers=0)."""
+    thread = getattr(_thread, "worker", None)  # first: threads in a helper process are workers of their own
+    if thread is not None:
+        return thread
     info = get_worker_info()
-    if info is not None:
-        return info.id, info.num_workers
-    return getattr(_thread, "worker", None)
+    return (info.id, info.num_workers) if info is not None else None
 
 
 def set_worker_thread(worker: int, workers: int) -> None:

@@ -152,7 +152,8 @@ class StreamLoader(Loader):
         order = train_order(self.shards, self.cfg, manifest) if self.cfg.split == "train" else None
         workers, in_threads = self._pick_workers()
         self._order = order
-        self._observe = self.cfg.threads is None and in_threads is True and self._may_switch(workers)
+        self._observe = self.cfg.threads is None and in_threads is True and self._may_switch(workers) and \
+            self.cfg.split == "train"  # a val loader's consumer is the evaluation, not the training step
         self._build(workers, in_threads)
         if self.num_workers > 0:
             atexit.register(processes.stop_workers, weakref.ref(self))
@@ -169,7 +170,7 @@ class StreamLoader(Loader):
         self.dataset = SampleStream(self.shards, self.cfg, self.make_prepare(), self._order, shared=procs > 0)
         self._threads = None  # this iteration's LoaderThreads
         given = InHelper(self.dataset, self.num_workers, self.prefetch) if self.in_helper else self.dataset
-        queued = self.num_workers * self.prefetch if self.in_helper else self.prefetch  # what N processes queue
+        queued = self.prefetch  # a helper's threads hold N x (prefetch + 1) batches ahead already
         self.dataloader = None if self.in_threads else DataLoader(
             given, batch_size=None, num_workers=procs, pin_memory=self.cfg.pin_memory,
             persistent_workers=procs > 0, prefetch_factor=queued if procs > 0 else None,

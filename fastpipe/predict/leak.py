@@ -18,7 +18,8 @@ from fastpipe.util import read_json
 
 class TrainingPhotos:
     def __init__(self, paths: list[str], fps: np.ndarray, threshold: int):
-        self.paths, self.fps, self.threshold = paths, fps, threshold
+        self.paths, self.threshold = paths, threshold
+        self.index = nearcopy.Index(fps)  # built once: each chunk of photos only asks it
 
     @classmethod
     def of_run(cls, model_path: str | Path) -> TrainingPhotos | None:
@@ -36,10 +37,10 @@ class TrainingPhotos:
                 return None  # a store's data set is not fetched again for this note
             m = load(root)
             splits, paths, fps = fingerprints(m)
-        except (FastpipeError, OSError, ValueError, AttributeError):
+            train = [k for k, s in enumerate(splits) if s == "train"]
+            return cls([paths[k] for k in train], fps[train], nearcopy.threshold_of(m.settings))
+        except (FastpipeError, OSError, ValueError, AttributeError):  # the note is left out, never the predictions
             return None
-        train = [k for k, s in enumerate(splits) if s == "train"]
-        return cls([paths[k] for k in train], fps[train], int(m.settings.get("near_threshold") or 16))
 
     def copies(self, prepared: list[bytes | None]) -> list[tuple[str, int] | None]:
         """For each prepared photo (stored JPEG bytes, or None), the training photo it is a near-copy of, and how
@@ -54,10 +55,8 @@ class TrainingPhotos:
             except (OSError, ValueError):
                 continue
         out: list[tuple[str, int] | None] = [None] * len(prepared)
-        if not mine or not len(self.fps):
+        if not mine or not self.paths:
             return out
-        n = len(mine)
-        for i, j, d in nearcopy.pairs(np.concatenate([np.stack(mine), self.fps]), self.threshold):
-            if i < n <= j and (out[where[i]] is None or d < out[where[i]][1]):
-                out[where[i]] = (self.paths[j - n], d)
+        for k, found in zip(where, nearcopy.nearest(np.stack(mine), self.index, self.threshold)):
+            out[k] = (self.paths[found[0]], found[1]) if found else None
         return out
