@@ -100,8 +100,8 @@ def search(n: int, threshold: int) -> dict:
 
 
 def conversion(photos: int, rounds: int) -> dict:
-    """CPU seconds of `fastpipe shard` (this process and its workers) with --near-duplicates off and group,
-    interleaved, on 8-megapixel demo photos."""
+    """CPU seconds of `fastpipe shard --workers 0` (all of it in this process, so that the process's own CPU time
+    is the whole conversion's) with --near-duplicates off and group, interleaved, on 8-megapixel demo photos."""
     from fastpipe.convert.demo import DemoConfig, make_demo_data
     from fastpipe.convert.driver import ShardConfig, shard
 
@@ -114,7 +114,7 @@ def conversion(photos: int, rounds: int) -> dict:
                 out = base / f"out-{mode}"
                 shutil.rmtree(out, ignore_errors=True)
                 t0 = os.times()
-                shard(ShardConfig(base / "raw", out, workers=2, near_duplicates=mode))
+                shard(ShardConfig(base / "raw", out, workers=0, near_duplicates=mode))
                 t1 = os.times()
                 cpu[mode].append(sum(t1[:4]) - sum(t0[:4]))
         ratio = [g / o for g, o in zip(cpu["group"], cpu["off"])]
@@ -129,7 +129,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--natural", type=int, default=40, help="natural-statistics pictures")
     ap.add_argument("--demo", type=int, default=60, help="demo photos")
     ap.add_argument("--search", default="100000,1000000", help="fingerprint counts for the search's timing")
-    ap.add_argument("--convert-photos", type=int, default=48)
+    ap.add_argument("--convert-photos", type=int, default=40)
     ap.add_argument("--convert-rounds", type=int, default=4)
     ap.add_argument("--json", default="bench-results/nearcopy.json")
     args = ap.parse_args(argv)
