@@ -29,6 +29,7 @@ def parse_args(argv=None):
     ap.add_argument("--workers", default="1,2", help="comma-separated worker counts")
     ap.add_argument("--short-side", type=int, default=320)
     ap.add_argument("--repeat", type=int, default=2, help="runs per measurement; the best is kept")
+    ap.add_argument("--near-duplicates", default="group", help="as `fastpipe shard` (off: no fingerprints)")
     ap.add_argument("--json", default="bench-results/convert.json")
     return ap.parse_args(argv)
 
@@ -70,11 +71,11 @@ def draft_comparison(files: list[Path], short_side: int) -> list[dict]:
     return rows
 
 
-def run_shard(src: Path, workers: int, short_side: int) -> tuple[float, float, int, dict]:
+def run_shard(src: Path, workers: int, short_side: int, near: str) -> tuple[float, float, int, dict]:
     """(overall img/s, img/s of the conversion pass alone, images, phase seconds)."""
     out = Path(tempfile.mkdtemp(prefix="fp-bench-"))
     try:
-        s = shard(ShardConfig(src, out, short_side=short_side, workers=workers))
+        s = shard(ShardConfig(src, out, short_side=short_side, workers=workers, near_duplicates=near))
         return s.converted_now / s.seconds, s.converted_now / s.phases["convert"], s.converted_now, s.phases
     finally:
         shutil.rmtree(out)
@@ -93,8 +94,10 @@ def main(args) -> dict:
     per_core = max(bound(files, settings) for _ in range(args.repeat))
     rows = []
     for w in [int(x) for x in args.workers.split(",")]:
-        rate, steady, n, phases = max(run_shard(src, w, args.short_side) for _ in range(args.repeat))
-        rows.append({"workers": w, "images": n, "img_per_s": rate, "convert_pass_img_per_s": steady,
+        rate, steady, n, phases = max(run_shard(src, w, args.short_side, args.near_duplicates)
+                                      for _ in range(args.repeat))
+        rows.append({"workers": w, "near_duplicates": args.near_duplicates, "images": n, "img_per_s": rate,
+                     "convert_pass_img_per_s": steady,
                      "bound_img_per_s": per_core * w, "ratio_of_bound": rate / (per_core * w),
                      "convert_pass_ratio": steady / (per_core * w), "phase_seconds": phases})
     print(f"single-process bound (decode + resize + encode): {per_core:.1f} img/s per core, {len(files)} photos")

@@ -61,7 +61,11 @@ def copies(im: Image.Image) -> dict[str, Image.Image]:
 
 
 def fingerprint(data: bytes) -> np.ndarray:
-    return nearcopy.fingerprint(Image.open(io.BytesIO(data)))
+    """As the converter takes it: from the photo converted (stored short side 320, JPEG quality 90)."""
+    from fastpipe.convert import images
+
+    settings = images.ImageSettings(320, 90)
+    return images.fingerprint(images.process(data, settings).jpeg, settings)
 
 
 def calibrate(pictures: list[tuple[str, Image.Image]]) -> dict:

@@ -276,3 +276,24 @@ def test_a_damaged_or_crafted_fingerprint_table_is_refused_in_one_line(tmp_path,
     assert main(["inspect", str(out), "--against", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not a fingerprint table fastpipe wrote" in err[0]
+
+
+def test_each_photo_is_decoded_once_with_fingerprints_and_nothing_is_left_behind(tmp_path, monkeypatch):
+    """The fingerprint is taken while hashing, from the photo converted then (spool.py): converting does not decode
+    it again, and the converted photos kept in between are gone when the conversion ends."""
+    from fastpipe.convert import images
+
+    src = tmp_path / "src"
+    for k in range(6):
+        write(src / ("a" if k % 2 else "b") / f"p{k}.jpg", natural(k))
+    calls, real = [], images.process
+    monkeypatch.setattr(images, "process", lambda data, settings: calls.append(1) or real(data, settings))
+    out = tmp_path / "out"
+    shard(ShardConfig(src, out, short_side=64, workers=0))
+    assert len(calls) == 6
+    assert not (out / ".fastpipe-spool").exists()
+    off = tmp_path / "off"
+    shard(ShardConfig(src, off, short_side=64, workers=0, near_duplicates="off"))
+    assert len(calls) == 12  # without fingerprints: converted once too
+    same = [p.relative_to(out) for p in out.rglob("*.tar")]
+    assert same and all((out / p).read_bytes() == (off / p).read_bytes() for p in same)

@@ -16,7 +16,7 @@ from dataclasses import asdict
 from tqdm import tqdm
 
 from fastpipe import __version__
-from fastpipe.convert import images, nearplan, outputs, photos, plan, previews, publish, readers
+from fastpipe.convert import images, nearplan, outputs, photos, plan, previews, publish, readers, spool
 from fastpipe.convert.config import SPLITS, ConvertError, ShardConfig
 from fastpipe.convert.discovery import discover
 from fastpipe.convert.journal import Journal, SplitProgress, journal_name
@@ -106,7 +106,7 @@ def _make_pool(cfg: ShardConfig, source, workers: int, initargs: tuple):
     if cfg.uses_ray:
         from fastpipe.convert.onray import RayWorkers
 
-        settings, limit, remote, root, near = initargs  # each node reads the store with credentials of its own
+        settings, limit, remote, root, near, _ = initargs  # each node reads the store with credentials of its own
         return RayWorkers(cfg.ray_address, cfg.workers, photos.init_worker,
                           (settings, limit, remote and remote.without_credentials(), root, near), cfg.ray_timeout)
     return Workers(workers, photos.init_worker, initargs) if workers > 1 else None
@@ -287,8 +287,10 @@ def _plan(cfg: ShardConfig, source, workers: int, pool):
 
 def _run(cfg: ShardConfig, source, summary: Summary, start: float) -> None:
     workers = usable_cores() if cfg.workers is None else cfg.workers
+    near = cfg.near_duplicates != "off"
+    kept = spool.folder(cfg.out, cfg.image_settings(), cfg.suffix) if near and not cfg.uses_ray else None
     initargs = (cfg.image_settings(), cfg.max_file_size, source.remote, None if source.remote else source.root,
-                cfg.near_duplicates != "off")
+                near, str(kept) if kept else None)
     pool = _make_pool(cfg, source, workers, initargs)
     photos.init_worker(*initargs)  # this process converts too (no pool), and hashes
     clock = _Clock(summary.phases, start)
@@ -310,6 +312,8 @@ def _run(cfg: ShardConfig, source, summary: Summary, start: float) -> None:
         clock.lap("convert")
         _finalize(cfg, source, progress, early, {"fingerprint": fingerprints[0], "plan": fingerprints[2]}, pool, near)
         journal.remove()
+        if kept is not None:
+            spool.remove(kept)
         clock.lap("finish")
         summary.notes += pool.notes() if pool is not None else []
     finally:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from fastpipe.convert import images
+from fastpipe.convert import images, spool
 from fastpipe.errors import DataError
 from fastpipe.store.clients import CrossOriginRedirect, ObjectTooLarge
 from fastpipe.store.remote import Remote, RemoteError, is_url
@@ -80,14 +80,16 @@ def read(where: str, limit: int, remote: Remote | None = None) -> bytes | images
 # -- the workers' side --------------------------------------------------------------------------------------
 _STATE: tuple[images.ImageSettings, int, Remote | None] | None = None
 _FINGERPRINTS = False  # hash_one also takes each photo's near-copy fingerprint
+_SPOOL: Path | None = None  # ... converting the photo to take it, kept for convert_one (spool.py)
 
 
 def init_worker(settings: images.ImageSettings, limit: int, remote: Remote | None = None, root=None,
-                fingerprints: bool = False) -> None:
+                fingerprints: bool = False, spool_at: str | None = None) -> None:
     """Set up this process for `hash_one` and `convert_one`. `root`: a local SRC's folder, which must be there (a
-    Ray node without the shared file system would otherwise find every photo unreadable)."""
-    global _STATE, _FINGERPRINTS
-    _FINGERPRINTS = fingerprints
+    Ray node without the shared file system would otherwise find every photo unreadable). `spool_at`: where
+    hash_one keeps the photos it converts (None: it decodes them for the fingerprint alone)."""
+    global _STATE, _FINGERPRINTS, _SPOOL
+    _FINGERPRINTS, _SPOOL = fingerprints, Path(spool_at) if spool_at else None
     if remote is None and root is not None and not Path(root).is_dir():
         raise DataError(f"SRC {root} is not a folder on {socket.gethostname()}: with --ray, a local SRC must be at "
                         f"the same path on every node (a shared file system); or put the photos in a store "
@@ -106,19 +108,27 @@ def convert_one(where: str) -> images.Encoded | images.Rejected:
         return images.Rejected("changed", f"its bytes changed after they were hashed for the plan (sha256 "
                                           f"{planned[:12]}... then, {now[:12]}... now), so it was not converted; run "
                                           f"the command again with --overwrite to convert the photos as they are now")
-    return images.process(data, settings)
+    kept = spool.take(_SPOOL, planned, limit) if _SPOOL is not None and planned is not None else None
+    return kept or images.process(data, settings)
 
 
 def hash_one(where: str) -> tuple | images.Rejected:
     """(sha256, size in bytes, pixels as the header says: 0 when it says nothing, the near-copy fingerprint or None)
     or why the file cannot be used. The pixels size what a Ray task reserves in memory to convert the photo (its
-    header, not its data: ~0.1 ms); the fingerprint is taken from a DCT-scaled decode (a few milliseconds)."""
+    header, not its data: ~0.1 ms); the fingerprint is taken from the photo converted (spool.py)."""
     settings, limit, remote = _STATE
     data = read(where, limit, remote)
     if isinstance(data, images.Rejected):
         return data
-    fp = images.fingerprint(data, settings) if _FINGERPRINTS else None
-    return hashlib.sha256(data).hexdigest(), len(data), _pixels(data), fp
+    sha = hashlib.sha256(data).hexdigest()
+    fp = None
+    if _FINGERPRINTS:  # the fingerprint of the photo as stored, wherever it is taken (the same plan everywhere)
+        enc = images.process(data, settings)
+        if isinstance(enc, images.Encoded):
+            if _SPOOL is not None:  # kept: converting it will not decode it again
+                spool.put(_SPOOL, sha, enc)
+            fp = images.fingerprint(enc.jpeg, settings)
+    return sha, len(data), _pixels(data), fp
 
 
 def _pixels(data: bytes) -> int:
