@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import manifest_without_source, messy_photos, tree
+from test_nearcopy import COPIES, natural, write
 
 ray = pytest.importorskip("ray")
 
@@ -71,10 +72,14 @@ def data(cluster, tmp_path_factory):
     base = tmp_path_factory.mktemp("ray")
     src = base / "photos"
     limits = messy_photos(src, {"red": 24, "green": 20, "blue": 16})
+    for k in range(3):  # pictures with a near-copy each: the groups, and the split they move, must be the same too
+        write(src / "red" / f"scene{k}.jpg", natural(k, (80, 60)))
+        write(src / "red" / f"scene{k}-darker.jpg", COPIES["darker"](natural(k, (80, 60))))
     Remote("s3://leafs/ray/photos").put_many([(p, p.relative_to(src).as_posix()) for p in src.rglob("*")
                                                if p.is_file()])
     kw = dict(short_side=32, val_fraction=0.25, max_shard_size=64 * 1024, **limits)
     shard(ShardConfig(src, base / "reference", workers=1, **kw))
+    assert len((base / "reference" / "near-duplicates.jsonl").read_text().splitlines()) == 3
     return src, kw, base / "reference"
 
 
