@@ -280,22 +280,17 @@ class _Check:
         return SplitInfo(shards, tuple(counts))
 
     def outputs(self, out) -> dict:
+        """Every file name outputs lists, checked to be inside the data set's folder."""
         self.expect(isinstance(out, dict), "outputs", "an object", out)
-        previews = out.get("previews", {})
-        self.expect(isinstance(previews, dict), "outputs.previews", "an object", previews)
-        for k, v in previews.items():
-            self.inside(v, f"outputs.previews[{k!r}]")
-        if "rejected" in out:
-            self.inside(out["rejected"], "outputs.rejected")
         near = out.get("near_duplicates", {"file": "near-duplicates.jsonl"})
         self.expect(isinstance(near, dict) and "file" in near, "outputs.near_duplicates", "an object with a file",
                     near)
-        for k in ("file", "preview", "fingerprints"):
-            if k in near:
-                self.inside(near[k], f"outputs.near_duplicates.{k}")
-        self.expect(isinstance(out.get("readers", []), list), "outputs.readers", "a list of file names", out)
-        for i, v in enumerate(out.get("readers", [])):
-            self.inside(v, f"outputs.readers[{i}]")
+        for key, names in (("previews", out.get("previews", {})), ("readers", out.get("readers", [])),
+                           ("near_duplicates", {k: near[k] for k in ("file", "preview", "fingerprints") if k in near}),
+                           ("rejected", {"": out["rejected"]} if "rejected" in out else {})):
+            self.expect(isinstance(names, (dict, list)), f"outputs.{key}", "file names", names)
+            for k, v in (names.items() if isinstance(names, dict) else enumerate(names)):
+                self.inside(v, f"outputs.{key}[{k!r}]")
         return out
 
     def stats(self, st, splits: dict[str, SplitInfo], d: dict) -> Stats:
