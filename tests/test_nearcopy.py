@@ -297,3 +297,29 @@ def test_each_photo_is_decoded_once_with_fingerprints_and_nothing_is_left_behind
     assert len(calls) == 12  # without fingerprints: converted once too
     same = [p.relative_to(out) for p in out.rglob("*.tar")]
     assert same and all((out / p).read_bytes() == (off / p).read_bytes() for p in same)
+
+
+def test_a_conversion_stopped_while_hashing_reuses_the_photos_it_converted(tmp_path, monkeypatch):
+    """The photos converted while hashing are kept under OUT until the conversion ends: a rerun after Ctrl-C there
+    converts none of them again."""
+    from fastpipe.convert import images, spool
+
+    src = tmp_path / "src"
+    for k in range(6):
+        write(src / ("a" if k % 2 else "b") / f"p{k}.jpg", natural(k))
+    calls, real = [], images.process
+
+    def stopped_at_the_fourth(data, settings):
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(data, settings)
+
+    monkeypatch.setattr(images, "process", stopped_at_the_fourth)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        shard(ShardConfig(src, out, short_side=64, workers=0))
+    assert len(list((out / spool.FOLDER).rglob("*.jpg"))) == 3
+    monkeypatch.setattr(images, "process", lambda data, settings: calls.append(1) or real(data, settings))
+    shard(ShardConfig(src, out, short_side=64, workers=0))
+    assert len(calls) == 6 and not (out / spool.FOLDER).exists()  # three then, the other three now

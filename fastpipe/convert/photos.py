@@ -123,10 +123,12 @@ def hash_one(where: str) -> tuple | images.Rejected:
     sha = hashlib.sha256(data).hexdigest()
     fp = None
     if _FINGERPRINTS:  # the fingerprint of the photo as stored, wherever it is taken (the same plan everywhere)
-        enc = images.process(data, settings)
-        if isinstance(enc, images.Encoded):
-            if _SPOOL is not None:  # kept: converting it will not decode it again
+        enc = spool.take(_SPOOL, sha, limit) if _SPOOL is not None else None  # a stopped run's, resumed
+        if enc is None:
+            enc = images.process(data, settings)
+            if isinstance(enc, images.Encoded) and _SPOOL is not None:  # kept: converting it will not decode it again
                 spool.put(_SPOOL, sha, enc)
+        if isinstance(enc, images.Encoded):
             fp = images.fingerprint(enc.jpeg, settings)
     return sha, len(data), _pixels(data), fp
 
