@@ -117,6 +117,7 @@ def test_copies_across_srcs_train_and_val_are_reported_and_can_leave_val(given_s
     assert {p["path"] for p in conflict["photos"]} == {"train/dog/p4.jpg", "train/cat/p4_relabelled.jpg"}
     near = json.loads((out / "dataset.json").read_text())["outputs"]["near_duplicates"]
     assert near["straddling"] == 2 and near["label_conflicts"] == 1 and near["groups"] == 3
+    assert (near["mode"], near["threshold"]) == ("group", 16)  # recorded, defaults included
     assert (out / near["preview"]).stat().st_size > 5000  # previews/near-duplicates.jpg: the groups side by side
     assert main(["inspect", str(out)]) == 0
     assert "near-copies: 3 groups, 6 photos" in capsys.readouterr().out

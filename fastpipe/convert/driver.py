@@ -207,7 +207,8 @@ def _finalize(cfg, source, progress, early: list[Rejection], ids: dict, pool, fo
         components=Components(label="labels") if source.multilabel else Components(),
         root=cfg.out,
         outputs={"rejected": f"rejected{cfg.suffix}.jsonl", "near_duplicates": {
-            "file": f"near-duplicates{cfg.suffix}.jsonl", "groups": len(near),
+            "file": f"near-duplicates{cfg.suffix}.jsonl", "mode": cfg.near_duplicates,
+            "threshold": cfg.near_threshold, "groups": len(near),
             "photos": sum(len(g["photos"]) for g in near), "straddling": sum(g["straddles"] for g in near),
             "label_conflicts": sum(g["label_conflict"] for g in near), "plain": plain,
             **({"fingerprints": f"fingerprints{cfg.suffix}.npz"} if table is not None else {})}},

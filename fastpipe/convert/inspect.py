@@ -78,14 +78,15 @@ def _summary(m: Manifest) -> list[str]:
 
 def _near_line(m: Manifest) -> list[str]:
     """The near-copy groups the conversion found, or that it did not look for them."""
-    near, mode = m.outputs.get("near_duplicates"), m.settings.get("near_duplicates", "group")
+    near = m.outputs.get("near_duplicates")
+    mode = (near or {}).get("mode", m.settings.get("near_duplicates", "group"))
     if near is None:
         return [] if m.foreign else ["  near-copies: not looked for (converted before fastpipe fingerprinted photos; "
                                      "convert again to find them)"]
     if mode == "off":
         return ["  near-copies: not looked for (--near-duplicates off)"]
     text = (f"  near-copies: {near.get('groups', 0)} groups, {near.get('photos', 0)} photos (threshold "
-            f"{nearcopy.threshold_of(m.settings)} bits; see {m.location}/{near['file']})")
+            f"{nearcopy.threshold_of(m.settings, near)} bits; see {m.location}/{near['file']})")
     extra = [f"{near['straddling']} straddle train and val" if near.get("straddling") else "",
              f"{near['label_conflicts']} under different labels" if near.get("label_conflicts") else ""]
     return [text + "".join(f"; {e}" for e in extra if e)]

@@ -112,9 +112,9 @@ def plain(fps: np.ndarray) -> np.ndarray:
     return fps[:, len(WINDOWS), 1] == 1
 
 
-def threshold_of(settings: dict) -> int:
+def threshold_of(settings: dict, near: dict | None = None) -> int:
     """The threshold a data set was converted with (its dataset.json: anyone's to edit), or the default."""
-    bits = settings.get("near_threshold")
+    bits = (near or {}).get("threshold", settings.get("near_threshold"))
     return bits if type(bits) is int and 0 <= bits <= 32 else DEFAULT_THRESHOLD
 
 
