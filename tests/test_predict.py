@@ -791,3 +791,26 @@ def test_the_exports_prepare_file_feeds_the_model_without_fastpipe(trained, expo
     done = subprocess.run([str(python), "-I", "-c", example + "\nprint(batch.shape, probs.shape)"],
                           cwd=tmp_path / "serve", capture_output=True, text=True, timeout=300)
     assert done.stdout.split("\n")[-2:] == [f"(2, 3, {ours.shape[-1]}, {ours.shape[-1]}) (1, 3)", ""], done.stderr
+
+
+@pytest.mark.parametrize("mode", ["L", "LA", "La", "RGBA", "RGBa", "P", "PA", "CMYK", "I;16", "I", "F", "HSV", "1"])
+def test_the_export_files_colour_conversion_is_the_converters(mode):
+    """MODEL.prepare.py carries its own copy of convert/images.to_rgb (it imports nothing of fastpipe): both give
+    the same pixels for every mode a photo can come in."""
+    import numpy as np
+
+    from fastpipe.convert.images import to_rgb
+    from fastpipe.predict import standalone
+
+    rng = np.random.default_rng(0)
+    base = Image.fromarray(rng.integers(0, 256, (24, 32, 4), dtype=np.uint8), "RGBA")
+    if mode in ("I;16", "I", "F"):
+        im = Image.fromarray(rng.integers(0, 65535, (24, 32)).astype({"I;16": np.uint16, "I": np.int32,
+                                                                        "F": np.float32}[mode]))
+        im = im if mode != "I;16" else Image.fromarray(np.asarray(im, np.uint16))
+    elif mode == "P":
+        im = base.convert("RGB").convert("P")
+        im.info["transparency"] = 3
+    else:
+        im = base.convert(mode)
+    assert np.array_equal(np.asarray(standalone._rgb(im)), np.asarray(to_rgb(im))), im.mode

@@ -280,7 +280,10 @@ class Loader:
             stats.seconds = time.perf_counter() - start
             if self.cfg.split == "train":
                 self.position += step
-            (ran, ready), t = thread_clock(), time.perf_counter()
+            if not getattr(self, "_observe", False):
+                yield (x, y, keys) if self.cfg.with_keys else (x, y)
+                continue
+            (ran, ready), t = thread_clock(), time.perf_counter()  # the step, only while the default looks at it
             yield (x, y, keys) if self.cfg.with_keys else (x, y)
             (ran2, ready2), t2 = thread_clock(), time.perf_counter()
             stats.step_s += max(t2 - t - (ready2 - ready), 0.0)

@@ -29,7 +29,8 @@ class LoaderStats:
     stages: dict[str, float] = field(default_factory=dict)
     # The consumer's steps (from handing a batch over to the next request): their wall time less the time the thread
     # stood ready for a core (other work's), and the time it ran. Their ratio: how much of its step the training
-    # loop's own thread keeps a core, mostly holding the GIL (workers.STEP_PYTHON: threads or processes).
+    # loop's own thread keeps a core, mostly holding the GIL (workers.STEP_PYTHON: threads or processes). Timed
+    # only while the default worker mode looks at the step (a train loader's epochs in threads, until it decides).
     step_s: float = 0.0
     step_cpu_s: float = 0.0
 
