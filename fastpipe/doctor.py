@@ -248,7 +248,8 @@ def check_remote() -> list[Check]:
     missing = [p for p, ok in have.items() if not ok]
     checks = [Check("OK", "remote data", f"reads {found}",
                     f"for {', '.join(f'{p}://' for p in missing)}: pip install "
-                    + " ".join({"s3": "s3fs", "gs": "gcsfs", "az": "adlfs", "http": "aiohttp"}[p] for p in missing)
+                    + " ".join({"s3": "s3fs", "gs": "gcsfs", "az": "adlfs", "http": "aiohttp",
+                                       "hf": "'fastpipe[hf]'"}[p] for p in missing)
                     if missing else "")]
     return checks + [_probe_endpoint(*e) for e in _endpoints()]
 

@@ -22,11 +22,13 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
+from fastpipe.convert.datacard import card
 from fastpipe.convert.journal import journal_name, journal_shards
+from fastpipe.store import hub
 from fastpipe.store.cache import default_cache_dir
 from fastpipe.store.cachefiles import private_folder
 from fastpipe.store.remote import Remote
-from fastpipe.util import Ticker
+from fastpipe.util import Ticker, parse_json
 
 
 def staging_folder(url: str) -> Path:
@@ -43,14 +45,17 @@ def shard_to_url(cfg, shard, storage_options: dict | None = None):
     remote.check_writable()  # before converting: a missing bucket or credentials are said now, not after the work
     staging = staging_folder(url + cfg.suffix)  # the parts of a cluster job may share a node
     name = journal_name(cfg.suffix)
-    restored = _restore(staging, remote, name)
-    with _Mirror(staging, remote, name, restored) as mirror:
+    hub = remote.protocol == "hf"  # one commit at the end: no journal mirrored shard by shard into the history
+    restored = {} if hub else _restore(staging, remote, name)
+    with contextlib.nullcontext(None) if hub else _Mirror(staging, remote, name, restored) as mirror:
         summary = shard(replace(cfg, out=staging))
-    upload(staging, remote, skip=mirror.in_store())
-    remote.delete(name)
+    upload(staging, remote, skip=mirror.in_store() if mirror else set())
+    if not hub:
+        remote.delete(name)
     shutil.rmtree(staging)
     summary.out = url
-    summary.notes.append(f"uploaded to {url} (dataset{cfg.suffix}.json last); staging folder {staging} removed")
+    summary.notes.append(f"uploaded to {url} " + ("in one commit" if hub else f"(dataset{cfg.suffix}.json last)")
+                         + f"; staging folder {staging} removed")
     if restored:
         summary.notes.insert(0, f"resumed from the journal in the store ({len(restored) // 2} shards already "
                                 f"converted)")
@@ -121,9 +126,23 @@ def upload(folder: Path, remote: Remote, skip: set[str] = frozenset()) -> None:
     (dataset.json, or a part's dataset.part-*.json) last."""
     files = [p for p in sorted(folder.rglob("*")) if p.is_file() and p.relative_to(folder).as_posix() not in skip
              and not any(part.startswith(".") for part in p.relative_to(folder).parts)]
+    if remote.protocol == "hf":
+        return _commit(folder, remote, files)
     last = [p for p in files if p.parent == folder and p.name.startswith("dataset") and p.suffix == ".json"]
     remote.put_many([(p, p.relative_to(folder).as_posix()) for p in files if p not in last])
     remote.put_many([(p, p.name) for p in last])
+
+
+def _commit(folder: Path, remote: Remote, files: list[Path]) -> None:
+    """A Hub repository gets the files in one commit, and a data card where it has no README.md at that place."""
+    rels = [(p, p.relative_to(folder).as_posix()) for p in files]
+    manifest = folder / "dataset.json"
+    if manifest.is_file() and not remote.exists("README.md"):
+        card_file = folder / ".fastpipe-card.md"
+        card_file.write_text(card(parse_json(manifest.read_bytes()), remote.url))
+        rels.append((card_file, "README.md"))
+    what = "a converted data set" if manifest.is_file() else "a part of a converted data set"
+    hub.commit(remote.url, rels, f"fastpipe: {what} ({len(files)} files)", remote.options, remote.timeout)
 
 
 __all__ = ["shard_to_url", "staging_folder", "upload"]

@@ -25,13 +25,14 @@ import os
 import types
 
 from fastpipe.errors import ConfigError, DataError, MissingDependency
+from fastpipe.store import hub
 from fastpipe.store.urls import redact
 
 PROTOCOL_EXTRAS = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs", "abfss": "adlfs",
-                   "http": "aiohttp", "https": "aiohttp"}
+                   "http": "aiohttp", "https": "aiohttp", "hf": "fastpipe[hf]"}
 FAMILY = {"s3a": "s3", "gcs": "gs", "abfs": "az", "abfss": "az", "https": "http"}
 GCSFS_RETRYING = ("_request", "_get_file_request", "_get_file_concurrent")  # gcsfs's @retry_request methods
-STORE_VARIABLES = ("AWS_", "AZURE_", "GOOGLE_", "GCSFS_", "STORAGE_EMULATOR_HOST")  # what the clients read
+STORE_VARIABLES = ("AWS_", "AZURE_", "GOOGLE_", "GCSFS_", "STORAGE_EMULATOR_HOST", "HF_")  # what the clients read
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}  # 409 is S3's "operation aborted, try again"
 MAX_REDIRECTS = 5  # hops an http(s) request may take, each within its origin
 
@@ -49,6 +50,8 @@ def open_fs(url: str, options: dict, timeout: float):
         raise MissingDependency("remote data sets need fsspec: pip install fsspec") from e
     protocol = url.split("://", 1)[0].lower()
     family = FAMILY.get(protocol, protocol)
+    if family == "hf":
+        return hub.open_hub(url, options, timeout)
     opts = copy.deepcopy(options)  # the defaults below go into nested dicts: not into the caller's
     if family in _OPTIONS:
         _OPTIONS[family](opts, timeout)
@@ -186,7 +189,8 @@ def transient(e: BaseException) -> bool:
         return False
     if isinstance(e, (TimeoutError, asyncio.TimeoutError, ConnectionError, OSError)):
         return True
-    return type(e).__module__.split(".")[0] in ("aiohttp", "botocore", "urllib3", "requests", "google", "azure")
+    return type(e).__module__.split(".")[0] in ("aiohttp", "botocore", "urllib3", "requests", "google", "azure",
+                                                      "httpx", "httpx2", "httpcore")
 
 
 def refused(e: BaseException) -> bool:
@@ -210,9 +214,11 @@ def _status(e: BaseException) -> int | None:
         status = getattr(e, "status_code", None)  # the Azure SDK (HttpResponseError)
     if status is None and type(e).__module__.startswith("gcsfs"):
         status = getattr(e, "code", None)  # gcsfs.retry.HttpError
-    response = getattr(e, "response", None)  # botocore
+    response = getattr(e, "response", None)  # botocore's a dict, huggingface_hub's an HTTP response
     if status is None and isinstance(response, dict):
         status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    elif status is None and response is not None:
+        status = getattr(response, "status_code", None)
     return status if isinstance(status, int) else None
 
 

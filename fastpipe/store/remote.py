@@ -23,6 +23,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 from fastpipe.errors import ConfigError, DataError
+from fastpipe.store import hub
 from fastpipe.store.clients import ObjectTooLarge, brief, cat_bounded, open_fs, refused, store_environment, transient
 from fastpipe.store.urls import URL_RE, check_relative, check_url, redact
 
@@ -125,7 +126,6 @@ class Remote:
 
     def __getstate__(self):
         return {**self.__dict__, "_local": None}
-
     @property
     def protocol(self) -> str:
         return self.url.split("://", 1)[0].lower()
@@ -267,7 +267,9 @@ class Remote:
 
     def check_writable(self) -> None:
         """Write and remove a small object, before work that ends in uploads: a missing bucket, missing or refused
-        credentials fail here, at once, not after a whole conversion."""
+        credentials fail here, at once, not after a whole conversion. (The Hub: its permission check, no commit.)"""
+        if self.protocol == "hf":
+            return hub.check_writable(self.url, self.options)
         fs, root, _ = self._client()
         probe = ".fastpipe-write-check"
         try:

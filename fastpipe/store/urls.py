@@ -27,7 +27,9 @@ from fastpipe.errors import ConfigError
 # A scheme and its userinfo, up to the '@' that ends it: a secret may hold '/' (AWS secret keys do), which would end a
 # URL's host part, and '@' (then every '@'-ended run without '/', '?' or '#' that follows is the secret's too). One
 # slash is enough: a URL read as a path on disk ('https://a:b@h/x' as Path) keeps only one.
-_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*:/+)[^\s@]*@(?:[^\s@/?#]*@)*")
+# hf:// is left out: its '@' names a revision (hf://datasets/org/set@v2), and its URLs never hold a secret (HF_TOKEN).
+_CREDENTIALS = re.compile(r"(?<![A-Za-z0-9+.-])(?P<scheme>(?![Hh][Ff]:)[A-Za-z][A-Za-z0-9+.-]*:/+)[^\s@]*@"
+                          r"(?:[^\s@/?#]*@)*")
 # A query or fragment: from '?' or '#' to a space, or to a closing quote (one followed by what follows a quoted string
 # in a repr or JSON text: a quote inside a value is part of it).
 _QUERY = re.compile(r"[?#](?:[^\s#'\"]|['\"](?![\s,\])}:]|$))*")
@@ -48,10 +50,18 @@ def holds_secret(text: str) -> bool:
     return redact(text) != text
 
 
+# A data set repository on the Hugging Face Hub, at a revision (a branch, tag or commit; a pull request's
+# refs/pr/N), and a folder in it
+HUB_URL = re.compile(r"hf://datasets/(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>refs/pr/\d+|[\w.-]+))?"
+                     r"(?P<path>(?:/[\w.-]+)*)/?")
+
+
 def check_url(url: str, what: str = "URL") -> str:
     """A data set's URL, refused (with the credentials redacted) when it carries credentials, a query or a
     fragment, or has no place to point to."""
     parts = urlsplit(url)
+    if parts.scheme.lower() == "hf":
+        return _check_hub(url, what)
     if "@" in url:  # in the host part, or after a secret holding '/': no store's folder name needs one
         raise ConfigError(f"{what} {redact(url)}: credentials in a URL are refused (they would be written into "
                           f"run folders, bench results and logs); give them through the store's environment "
@@ -62,6 +72,15 @@ def check_url(url: str, what: str = "URL") -> str:
                           f"a pre-signed token) is refused: pass headers or tokens through storage_options")
     if (not parts.netloc and parts.scheme.lower() != "file") or re.search(r"[\s\x00-\x1f\x7f]", url):
         raise ConfigError(f"{what} {redact(url)}: expected SCHEME://HOST-OR-BUCKET/PREFIX, e.g. s3://bucket/sets/v1")
+    return url
+
+
+def _check_hub(url: str, what: str) -> str:
+    m = HUB_URL.fullmatch(url)
+    if not m or any(seg in (".", "..") for seg in m["path"].split("/")):
+        raise ConfigError(f"{what} {redact(url)}: expected hf://datasets/ORG/NAME[@REVISION][/FOLDER] (a data set "
+                          f"repository on the Hugging Face Hub; plain names, no query; the token comes from HF_TOKEN "
+                          f"or `hf auth login`, never from the URL)")
     return url
 
 

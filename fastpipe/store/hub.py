@@ -1,0 +1,116 @@
+"""Data sets on the Hugging Face Hub: `hf://datasets/ORG/NAME[@REVISION][/FOLDER]`, through `huggingface_hub`
+(`pip install 'fastpipe[hf]'`).
+
+Listing and metadata go through huggingface_hub's `HfFileSystem`; reads are fastpipe's own: one GET per byte range,
+exactly the bytes asked (HfFileSystem's files read ahead a block, and retry 5xx by themselves), bounded in time
+and size, so that `Remote` retries them as it retries every store's. Writing is one commit (`commit`): a converted
+set appears on the Hub whole or not at all, and the repository's history gets one entry per conversion.
+
+The token is huggingface_hub's own: HF_TOKEN or the local login (`hf auth login`), or `storage_options={"token":
+...}`. fastpipe never writes it anywhere nor puts it in a message; the URL cannot hold one (urls.check_url).
+The endpoint is HF_ENDPOINT's, read when a client is made (huggingface_hub reads it once, at import).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from fastpipe.errors import ConfigError, DataError, MissingDependency
+from fastpipe.store.urls import HUB_URL
+
+WHOLE = 64 << 20  # bytes: the most a whole-object read asks for (remote.SMALL_OBJECT)
+
+
+def _hub():
+    try:
+        import huggingface_hub
+    except ImportError:
+        raise MissingDependency("hf:// data sets need huggingface_hub: pip install 'fastpipe[hf]'") from None
+    return huggingface_hub
+
+
+def parts(url: str) -> tuple[str, str | None, str]:
+    """(repository id, revision or None, folder in the repository) of a checked hf:// URL."""
+    m = HUB_URL.fullmatch(url.rstrip("/"))
+    if not m:
+        raise ConfigError(f"{url}: expected hf://datasets/ORG/NAME[@REVISION][/FOLDER]")
+    return m["repo"], m["revision"], m["path"].strip("/")
+
+
+def endpoint() -> str | None:
+    return os.environ.get("HF_ENDPOINT") or None
+
+
+def open_hub(url: str, options: dict, timeout: float):
+    """The filesystem client for `url` and its root path ("datasets/ORG/NAME[@REV][/FOLDER]")."""
+    fs_class = _fs_class()
+    fs = fs_class(endpoint=endpoint(), token=options.get("token"), skip_instance_cache=True)
+    fs.read_timeout = timeout
+    return fs, url.split("://", 1)[1].rstrip("/")
+
+
+def _fs_class():
+    hub = _hub()
+
+    class HubFileSystem(hub.HfFileSystem):
+        """HfFileSystem whose reads are single exact GETs (see the module's docstring)."""
+
+        read_timeout = 60.0
+
+        def cat_file(self, path, start=None, end=None, **kwargs):
+            url = self.url(path)  # resolves the repository and revision (cached per client)
+            last = (WHOLE if end is None else end) - 1
+            headers = {**self._api._build_hf_headers(), "range": f"bytes={start or 0}-{last}"}
+            if start is not None and end is not None and end <= start:
+                return b""
+            with hub.utils.get_session().stream("GET", url, headers=headers, timeout=self.read_timeout,
+                                                follow_redirects=True) as r:
+                if r.status_code == 416 and start is None:
+                    return b""  # an empty object
+                if r.status_code == 404:
+                    raise FileNotFoundError(path)
+                hub.utils.hf_raise_for_status(r)
+                chunks, got = [], 0
+                for chunk in r.iter_bytes():
+                    got += len(chunk)
+                    if got > last + 1 - (start or 0):
+                        raise DataError(f"hf://{path}: the server sends more than the {last + 1 - (start or 0)} "
+                                        f"bytes asked (it ignores Range requests)")
+                    chunks.append(chunk)
+            return b"".join(chunks)
+
+    return HubFileSystem
+
+
+def check_writable(url: str, options: dict) -> None:
+    """The repository exists and the token may write to it: said before any conversion work."""
+    hub = _hub()
+    repo, _, _ = parts(url)
+    api = hub.HfApi(endpoint=endpoint(), token=options.get("token"))
+    try:
+        api.auth_check(repo, repo_type="dataset", write=True)
+    except hub.errors.RepositoryNotFoundError:
+        raise DataError(f"{url}: no data set repository {repo} that this token may see; create it first "
+                        f"(`hf repos create {repo} --repo-type dataset`), or check HF_TOKEN / `hf auth login`"
+                        ) from None
+    except hub.errors.HfHubHTTPError as e:
+        status = getattr(e.response, "status_code", None)
+        if status in (401, 403):
+            raise DataError(f"{url}: this token may not write to {repo} (HTTP {status}); set HF_TOKEN to a token "
+                            f"with write access, or `hf auth login`") from None
+        raise
+
+
+def commit(url: str, files: list[tuple[Path, str]], message: str, options: dict, timeout: float) -> str:
+    """Every (local file, path relative to the URL's folder) in one commit; returns the commit's id."""
+    hub = _hub()
+    repo, revision, folder = parts(url)
+    ops = [hub.CommitOperationAdd(path_in_repo="/".join(filter(None, [folder, rel])), path_or_fileobj=str(local))
+           for local, rel in files]
+    api = hub.HfApi(endpoint=endpoint(), token=options.get("token"))
+    info = api.create_commit(repo, ops, commit_message=message, repo_type="dataset", revision=revision)
+    return info.oid
+
+
+__all__ = ["check_writable", "commit", "endpoint", "open_hub", "parts"]
