@@ -75,10 +75,12 @@ class TrainConfig:
     cache_limit: str | None = opt(None, "remote data: keep the shard cache under this size, e.g. 50GB "
                                         "(least recently used shards go first; default: no limit)")
     seed: int = opt(0, "seed for the model, the data order and the augmentations", low=0, high=SEED_MAX)
-    pretrained: str | None = opt(None, "local weights file to start from (no downloads)")
-    normalize: str | None = opt(None, f"input normalisation: {NORMALIZE_FORMS}. Default: the weights' own with "
-                                      f"--pretrained (ImageNet's for torchvision weights; a fastpipe checkpoint's "
-                                      f"recorded one), else the data set's", parse=parse_normalize)
+    pretrained: str | None = opt(None, "weights to start from: a local file (.pth, .pt, .safetensors), or zoo "
+                                       "(zoo:TAG) for the model zoo's own from this machine's cache (never "
+                                       "downloaded): torchvision's weights enum, timm's pretrained tag")
+    normalize: str | None = opt(None, f"input normalisation: {NORMALIZE_FORMS}, or pretrained (the weights' own). "
+                                      f"Default: pretrained with --pretrained, else the data set's",
+                                parse=lambda v: train_normalize(v))
     balance: bool = opt(False, "class-balanced sampling")
     class_weighted_loss: bool = opt(False, "weight the loss by the class weights")
     sync_bn: bool = opt(False, "SyncBatchNorm across ranks")
@@ -106,8 +108,8 @@ class TrainConfig:
 
 def train_normalize(value) -> str | None:
     """A normalisation that training can use, in its one form (None: chosen when the run starts)."""
-    if value is None:
-        return None
+    if value is None or value == "pretrained":  # the weights' own: known when the run starts (session.resolve)
+        return value
     value = parse_normalize(value)
     if value is False:
         raise ConfigError("--normalize False: uint8 images are for make_loader only; training takes "

@@ -13,6 +13,7 @@ error naming the file, the field and what is allowed.
 from __future__ import annotations
 
 import math
+import re
 
 from fastpipe.errors import DataError
 from fastpipe.options import MAX_IMAGE_SIZE, STD_FLOOR
@@ -66,7 +67,7 @@ def check(card, where: str) -> dict:
                         f"fastpipe reads version {VERSION}: upgrade fastpipe (pip install -U fastpipe), or export the "
                         f"model again with this one")
     model = card.get("model")
-    need(isinstance(model, str) and (model.isidentifier() or (model.startswith("timm:") and model[5:].isidentifier())),
+    need(isinstance(model, str) and (model.isidentifier() or bool(re.fullmatch(r"timm:\w+(\.\w+)?", model))),
          "model", "a torchvision model name, or timm:NAME")
     classes = card.get("classes")
     need(isinstance(classes, list) and classes and all(isinstance(c, str) and c for c in classes)

@@ -11,8 +11,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fastpipe.errors import ConfigError
-from fastpipe.options import NORMALIZE_FORMS, parse_normalize
-from fastpipe.train import timmzoo
+from fastpipe.options import NORMALIZE_FORMS, normalize_text, parse_normalize
+from fastpipe.train import timmzoo, zoo
 
 SUPPORTED = ("resnet18", "resnet34", "resnet50", "resnet101", "mobilenet_v3_small", "mobilenet_v3_large",
              "efficientnet_b0", "efficientnet_b1", "convnext_tiny", "vit_b_16", "regnet_y_400mf")
@@ -67,6 +67,15 @@ def checkpoint_deep_stages(model: nn.Module) -> list[str]:
     return names
 
 
+def _read_weights(file: Path):
+    """A weights file's tensors, without running any code it holds: safetensors, or torch's weights_only."""
+    if file.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(file), device="cpu")
+    return torch.load(file, map_location="cpu", weights_only=True)
+
+
 def load_pretrained(model: nn.Module, path: str) -> list[str]:
     """Weights from a local file (a state dict, or a fastpipe checkpoint's "model"); tensors whose name or shape
     does not match (the classifier head of another class count) are left as initialised, and a file of which
@@ -74,10 +83,10 @@ def load_pretrained(model: nn.Module, path: str) -> list[str]:
     the tensors not loaded."""
     file = Path(path)
     if not file.is_file():
-        raise ConfigError(f"--pretrained {path}: no such file (fastpipe never downloads weights; "
-                          f"save them once with torchvision on a machine with a network)")
+        raise ConfigError(f"--pretrained {path}: no such file (fastpipe never downloads weights; save them once on "
+                          f"a machine with a network, or say --pretrained zoo for the zoo's cached ones)")
     try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
+        state = _read_weights(file)
     except Exception as e:  # damage and foreign pickles raise many types; all mean the same here
         raise ConfigError(f"--pretrained {path}: not a weights file that can be loaded safely ({type(e).__name__}: "
                           f"{str(e)[:150]}); save one with torch.save(model.state_dict(), FILE)") from None
@@ -95,6 +104,13 @@ def load_pretrained(model: nn.Module, path: str) -> list[str]:
     print(f"--pretrained {path}: loaded {len(usable)} of the model's {len(own)} tensors"
           + (f"; left as initialised: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}" if missing else ""))
     return missing
+
+
+def pretrained_normalization(model: str, pretrained: str) -> str:
+    """`--normalize pretrained`: the chosen weights' own mean/std, as the setting's text (recorded in the run)."""
+    if zoo.is_zoo(pretrained):
+        return normalize_text(*zoo.mean_std(model, pretrained))
+    return weights_normalization(pretrained)
 
 
 def weights_normalization(path: str) -> str:
@@ -121,7 +137,7 @@ def build_model(name: str, num_classes: int, image_size: int = 224, pretrained: 
     if timmzoo.is_timm(name):
         model = timmzoo.build(name, num_classes, image_size)
         if pretrained:
-            load_pretrained(model, pretrained)
+            load_pretrained(model, str(zoo.weights_file(name, pretrained)) if zoo.is_zoo(pretrained) else pretrained)
         if checkpoint_activations:
             timmzoo.checkpoint_deep_stages(model)
         return model
@@ -136,7 +152,7 @@ def build_model(name: str, num_classes: int, image_size: int = 224, pretrained: 
         raise ConfigError(f"unknown model {name!r}: try one of {', '.join(SUPPORTED)} "
                          f"(any torchvision classification model name works)") from None
     if pretrained:
-        load_pretrained(model, pretrained)
+        load_pretrained(model, str(zoo.weights_file(name, pretrained)) if zoo.is_zoo(pretrained) else pretrained)
     if checkpoint_activations:
         checkpoint_deep_stages(model)
     return model

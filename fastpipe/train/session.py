@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from fastpipe import __version__
-from fastpipe.dataset.manifest import load
+from fastpipe.dataset.loading import load
 from fastpipe.errors import ConfigError
 from fastpipe.loaders import LoaderConfig, make_loader_from
 from fastpipe.loaders.stats import OthersClock
@@ -26,7 +26,7 @@ from fastpipe.train.config import RESUMABLE_CHANGES, TrainConfig, image_size_for
 from fastpipe.train.distributed import distributed
 from fastpipe.train.errors import write_errors
 from fastpipe.train.loop import Dist, EpochProgress, Trainer, TrainingStopped, make_optimizer, make_schedule
-from fastpipe.train.models import build_model, weights_normalization
+from fastpipe.train.models import build_model, pretrained_normalization
 from fastpipe.train.runs import Run, RunError, default_run_dir
 from fastpipe.train.speed import disturbed, run_speed
 
@@ -43,7 +43,12 @@ def resolve(cfg: TrainConfig, device: torch.device) -> TrainConfig:
     # data sets train well with (Adam's step size is less tied to the batch).
     lr = cfg.lr if cfg.lr is not None else (0.1 * eff / 256 if cfg.optimizer == "sgd" else 1e-3)
     # Fine-tuning needs the inputs the weights were trained on; from scratch, the data set's own statistics fit
-    normalize = cfg.normalize or (weights_normalization(cfg.pretrained) if cfg.pretrained else "dataset")
+    normalize = cfg.normalize or ("pretrained" if cfg.pretrained else "dataset")
+    if normalize == "pretrained":
+        if not cfg.pretrained:
+            raise ConfigError("--normalize pretrained: there are no pretrained weights; give --pretrained FILE or "
+                              "--pretrained zoo, or --normalize dataset")
+        normalize = pretrained_normalization(cfg.model, cfg.pretrained)
     return replace(cfg, device=str(device), lr=lr, amp=amp_for(cfg.amp, cuda), normalize=normalize,
                    channels_last=cuda if cfg.channels_last is None else cfg.channels_last,
                    out=cfg.out or str(default_run_dir(cfg.model)))

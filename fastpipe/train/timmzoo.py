@@ -1,6 +1,7 @@
-"""timm's classifiers by name (`--model timm:NAME`): any name timm.list_models() knows, built without pretrained
-weights (those come from --pretrained FILE) with the head sized to the data set. timm is imported here only, on
-first use: `pip install 'fastpipe[timm]'`."""
+"""timm's classifiers by name (`--model timm:NAME[.TAG]`): any name timm.list_models() knows, with a pretrained tag
+if wanted (`timm:resnet50.a1_in1k`: `--pretrained zoo` then takes those weights, zoo.py), built without pretrained
+weights (those come from --pretrained) with the head sized to the data set. timm is imported here only, on first
+use: `pip install 'fastpipe[timm]'`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch import nn
 from fastpipe.errors import ConfigError, MissingDependency
 
 PREFIX = "timm:"
-NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")  # timm's model names (a pretrained tag after a dot is not a model)
+NAME = re.compile(r"(?P<arch>[A-Za-z][A-Za-z0-9_]*)(?:\.(?P<tag>[A-Za-z0-9_]+))?")  # timm's names, a tag after a dot
 
 
 def is_timm(name: str) -> bool:
@@ -23,12 +24,15 @@ def build(name: str, num_classes: int, image_size: int) -> nn.Module:
     ViTs, are made for it)."""
     timm = _timm()
     model_name = name[len(PREFIX) :]
-    if not NAME.fullmatch(model_name) or model_name not in timm.list_models():
-        close = timm.list_models(f"*{model_name[:12]}*")[:5] if NAME.fullmatch(model_name) else []
+    m = NAME.fullmatch(model_name)
+    if not m or m["arch"] not in timm.list_models():
+        close = timm.list_models(f"*{m['arch'][:12]}*")[:5] if m else []
         raise ConfigError(f"unknown model {name!r}: not a name timm.list_models() gives (timm {timm.__version__})"
-                          + (f"; close: {', '.join(PREFIX + c for c in close)}" if close else "")
-                          + "; a pretrained tag (.augreg_in21k) is not part of the name: give weights with "
-                            "--pretrained")
+                          + (f"; close: {', '.join(PREFIX + c for c in close)}" if close else ""))
+    if m["tag"] and model_name not in timm.list_pretrained(f"{m['arch']}.*"):
+        tags = timm.list_pretrained(f"{m['arch']}.*")[:6]
+        raise ConfigError(f"unknown pretrained tag in {name!r}: timm has " + (", ".join(PREFIX + t for t in tags)
+                                                                               or f"no pretrained {m['arch']}"))
     try:
         return timm.create_model(model_name, pretrained=False, num_classes=num_classes, img_size=image_size)
     except TypeError:  # a model of any input size takes no img_size

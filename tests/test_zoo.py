@@ -1,0 +1,85 @@
+"""Pretrained weights: `--pretrained zoo[:TAG]` takes the zoo's own weights from this machine's cache (torch.hub's
+checkpoint folder for torchvision, the Hugging Face cache for timm), never downloading; a `.safetensors` file loads
+as a `.pth` does; `--normalize pretrained` is the chosen weights' own mean/std. The caches here are written by the
+test, in the layout each zoo writes them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastpipe.errors import ConfigError
+from fastpipe.options import IMAGENET_MEAN_STD, normalize_text
+from fastpipe.train.models import build_model, pretrained_normalization
+
+
+def _same_but_head(model, state, head: str) -> None:
+    own = model.state_dict()
+    loaded = [k for k in state if not k.startswith(head)]
+    assert loaded and all(torch.equal(own[k], state[k]) for k in loaded)
+    assert own[f"{head}.weight"].shape[0] == 3  # the data set's classes, not the zoo's 1000
+
+
+def test_torchvision_weights_come_from_torch_hubs_cache(tmp_path, monkeypatch):
+    import torchvision
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    with pytest.raises(ConfigError, match=r"not in this machine's cache .*resnet18-f37072fd\.pth.*weights="):
+        build_model("resnet18", 3, 32, pretrained="zoo")
+    state = torchvision.models.resnet18(num_classes=1000).state_dict()  # as torchvision would have saved them
+    (tmp_path / "torch" / "hub" / "checkpoints").mkdir(parents=True)
+    torch.save(state, tmp_path / "torch" / "hub" / "checkpoints" / "resnet18-f37072fd.pth")
+    _same_but_head(build_model("resnet18", 3, 32, pretrained="zoo"), state, "fc")
+    _same_but_head(build_model("resnet18", 3, 32, pretrained="zoo:IMAGENET1K_V1"), state, "fc")
+    with pytest.raises(ConfigError, match="IMAGENET1K_V1"):
+        build_model("resnet18", 3, 32, pretrained="zoo:IMAGENET9K")
+    assert pretrained_normalization("resnet18", "zoo") == normalize_text(*IMAGENET_MEAN_STD)
+
+
+def test_timm_weights_come_from_the_hugging_face_cache(tmp_path, monkeypatch):
+    timm = pytest.importorskip("timm")
+    hub_constants = pytest.importorskip("huggingface_hub.constants")
+    from safetensors.torch import save_file
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    with pytest.raises(ConfigError, match=r"timm/resnet10t.c3_in1k are not in this machine's Hugging Face cache"):
+        build_model("timm:resnet10t.c3_in1k", 3, 32, pretrained="zoo")
+    state = timm.create_model("resnet10t", pretrained=False).state_dict()
+    repo = tmp_path / "hf" / "models--timm--resnet10t.c3_in1k"
+    (repo / "snapshots" / "0123abc").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abc")
+    save_file(state, str(repo / "snapshots" / "0123abc" / "model.safetensors"))
+    _same_but_head(build_model("timm:resnet10t.c3_in1k", 3, 32, pretrained="zoo"), state, "fc")
+    _same_but_head(build_model("timm:resnet10t", 3, 32, pretrained="zoo"), state, "fc")  # timm's default tag
+
+
+def test_pretrained_normalisation_is_the_weights_own():
+    pytest.importorskip("timm")
+    assert pretrained_normalization("timm:vit_base_patch16_224.augreg_in21k", "zoo") == \
+        "0.5,0.5,0.5:0.5,0.5,0.5"  # timm's ViT weights: not ImageNet's mean/std
+    assert pretrained_normalization("timm:resnet10t.c3_in1k", "zoo") == normalize_text(*IMAGENET_MEAN_STD)
+
+
+def test_a_safetensors_file_loads_as_a_pth_does(tmp_path):
+    import torchvision
+    from safetensors.torch import save_file
+
+    state = torchvision.models.resnet18(num_classes=7).state_dict()
+    save_file(state, str(tmp_path / "w.safetensors"))
+    _same_but_head(build_model("resnet18", 3, 32, pretrained=str(tmp_path / "w.safetensors")), state, "fc")
+    (tmp_path / "bad.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
+    with pytest.raises(ConfigError, match="not a weights file that can be loaded safely"):
+        build_model("resnet18", 3, 32, pretrained=str(tmp_path / "bad.safetensors"))
+
+
+def test_unknown_tags_and_normalising_as_no_weights_are_one_line():
+    pytest.importorskip("timm")
+    from fastpipe.train.config import TrainConfig
+    from fastpipe.train.session import resolve
+
+    with pytest.raises(ConfigError, match="unknown pretrained tag .*timm:resnet10t.c3_in1k"):
+        build_model("timm:resnet10t.nonesuch", 3, 32)
+    cfg = TrainConfig(data="x", normalize="pretrained", device="cpu")
+    with pytest.raises(ConfigError, match="--normalize pretrained: there are no pretrained weights"):
+        resolve(cfg, torch.device("cpu"))
