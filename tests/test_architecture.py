@@ -69,3 +69,43 @@ def test_the_store_writer_calls_neither_merge_nor_index():
 def test_no_module_is_over_350_lines():
     long = {str(p.relative_to(PKG)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > 350}
     assert not long
+
+
+def _module(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """The fastpipe modules `path` imports, `from fastpipe.loaders import stream` read as fastpipe.loaders.stream."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fastpipe"):
+            base = PKG.parent.joinpath(*node.module.split("."))
+            subs = {f"{node.module}.{a.name}" for a in node.names if any(base.glob(f"{a.name}.*"))
+                    or (base / a.name).is_dir()}  # a module, the C extension, or a package
+            found |= subs or {node.module}
+            found |= {node.module} if len(subs) < len(node.names) else set()
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("fastpipe")}
+    return found
+
+
+def test_no_import_circle():
+    """No module reaches itself through imports, those inside functions included (an import moved into a function
+    hides a circle; it does not remove it). A package's __init__ counts as the package."""
+    graph = {_module(p): _imported_modules(p) for p in PKG.rglob("*.py")}
+    graph = {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
+    circles = []
+
+    def visit(m: str, path: list[str], seen: set[str]):
+        for d in sorted(graph[m]):
+            if d == path[0]:
+                circles.append(" -> ".join([*path, d]))
+            elif d not in seen and d > path[0]:  # each circle once, from its smallest module
+                seen.add(d)
+                visit(d, [*path, d], seen)
+
+    for m in sorted(graph):
+        visit(m, [m], {m})
+    assert not circles, "\n".join(circles[:20])

@@ -7,7 +7,7 @@ the whole picture, and both are right.
 - group (the default): every photo kept, each group assigned to one split whole; with the split given by SRC
   (train/ and val/ folders), the groups that straddle it are reported;
 - drop-from-val: as group, and the val copies of a group that straddles SRC's split are rejected;
-- drop: one photo per group of one label kept (the original: plan.original_first), the others rejected;
+- drop: one photo per group of one label kept (the original: sources.original_first), the others rejected;
 - off: no fingerprints, no groups.
 Everything here is deterministic, so that every part of a cluster job and every rerun plans alike.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fastpipe.convert.sources import Item, Rejection
+from fastpipe.convert.sources import Item, Rejection, original_first
 from fastpipe.dataset import nearcopy
 
 MODES = ("group", "drop-from-val", "drop", "off")
@@ -26,7 +26,7 @@ MODES = ("group", "drop-from-val", "drop", "off")
 
 @dataclass
 class Group:
-    items: list[Item]  # the original first (plan.original_first), then in path order
+    items: list[Item]  # the original first (sources.original_first), then in path order
     distance: dict[str, int]  # each photo's distance in bits to the closest other photo of the group
 
     def labels(self) -> list[str]:
@@ -44,8 +44,6 @@ class Group:
 
 def find(items: list[Item], fps: dict[str, np.ndarray], threshold: int) -> list[Group]:
     """The groups of near-copies among the items that have a fingerprint."""
-    from fastpipe.convert.plan import original_first
-
     have = [i for i in sorted(items, key=lambda i: i.path) if i.path in fps]
     if len(have) < 2:
         return []

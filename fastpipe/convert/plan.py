@@ -7,7 +7,6 @@ cluster job compute the same plan independently.
 from __future__ import annotations
 
 import hashlib
-import re
 from collections import defaultdict
 from dataclasses import dataclass
 from multiprocessing.pool import ThreadPool
@@ -16,7 +15,7 @@ import numpy as np
 from tqdm import tqdm
 
 from fastpipe.convert import images, photos
-from fastpipe.convert.sources import Item, Rejection, Source
+from fastpipe.convert.sources import Item, Rejection, Source, original_first
 
 
 @dataclass(frozen=True)
@@ -54,15 +53,6 @@ def hash_files(source: Source, threads: int, pool=None) -> tuple[dict[str, str],
     if threaded:
         threaded.close()
     return hashes, rejected, pixels, fps
-
-
-def original_first(path: str) -> tuple:
-    """Which of equal files is the original: the shortest file name ('x.jpg' before 'x (1).jpg' and
-    'copy_of_x.jpg'), then the first in natural order ('img_9' before 'img_10'); the path itself last, so that
-    every machine and every part of a cluster job keeps the same one."""
-    parts = re.split(r"(\d+)", path)  # text, number, text, ...: each position compares like with like
-    natural = tuple(int(p) if k % 2 else p.casefold() for k, p in enumerate(parts))
-    return len(path.rsplit("/", 1)[-1]), natural, path
 
 
 def deduplicate(items: list[Item], hashes: dict[str, str]) -> tuple[list[Item], list[Rejection]]:

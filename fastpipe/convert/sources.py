@@ -9,6 +9,7 @@ silently: a file is an item, a rejection, or counted as ignored (hidden and syst
 from __future__ import annotations
 
 import os
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,3 +211,12 @@ def files_below(root: Path) -> tuple[list[str], list[Rejection], int]:
     for e in sorted(os.scandir(root), key=lambda e: e.name):
         walk.entry(root / e.name, e.name)
     return [walk.rel(p) for p in walk.files], walk.rejections, walk.ignored
+
+
+def original_first(path: str) -> tuple:
+    """Which of equal files is the original: the shortest file name ('x.jpg' before 'x (1).jpg' and
+    'copy_of_x.jpg'), then the first in natural order ('img_9' before 'img_10'); the path itself last, so that
+    every machine and every part of a cluster job keeps the same one."""
+    parts = re.split(r"(\d+)", path)  # text, number, text, ...: each position compares like with like
+    natural = tuple(int(p) if k % 2 else p.casefold() for k, p in enumerate(parts))
+    return len(path.rsplit("/", 1)[-1]), natural, path

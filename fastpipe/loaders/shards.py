@@ -99,7 +99,7 @@ class ShardSet:
         self.sizes = np.zeros((n, 3), np.int64)
         self.keys: list[str] = []
         self.cache = None
-        self.fetch_wait_s = 0.0  # waited for a fetch ahead (stream.fetched_ahead) since the last read
+        self.fetch_wait_s = 0.0  # waited for a fetch ahead (prefetch.fetched_ahead) since the last read
         if self.remote is not None:
             self._check_remote(manifest, info)
         else:

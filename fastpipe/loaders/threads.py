@@ -35,6 +35,7 @@ from torch.utils.data import IterableDataset
 
 from fastpipe.errors import FastpipeError
 from fastpipe.loaders.batch import HostBatch, set_worker_thread
+from fastpipe.loaders.prefetch import fetched_ahead
 
 THREAD_NAME = "fastpipe-loader"
 CHUNK = 8  # samples a thread decodes at a time (about 2 ms at 320 px): one lock round per chunk
@@ -90,8 +91,6 @@ class LoaderThreads:
     """One epoch's batches from `workers` threads sharing each batch; iterate once."""
 
     def __init__(self, stream, workers: int, prefetch: int):
-        from fastpipe.loaders.stream import fetched_ahead
-
         self.stream, self.workers = stream, workers
         self.prepare, self.epoch = stream.prepare, int(stream.epoch[0])
         self.split = hasattr(self.prepare, "part")
