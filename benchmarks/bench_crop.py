@@ -34,7 +34,7 @@ from PIL import Image
 
 from fastpipe import make_loader
 from fastpipe.bench.timing import run_fresh, spread
-from fastpipe.dataset.manifest import load
+from fastpipe.dataset.loading import load
 from fastpipe.loaders import cpu_ops, jpegcrop
 from fastpipe.loaders.epoch import Piece
 from fastpipe.loaders.shards import ShardSet

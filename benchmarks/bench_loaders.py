@@ -22,7 +22,7 @@ import torch
 
 from fastpipe import make_loader
 from fastpipe.bench.timing import cuda_sync, endless, measure
-from fastpipe.dataset.manifest import load
+from fastpipe.dataset.loading import load
 from fastpipe.loaders import cpu_ops, jpegcrop
 from fastpipe.loaders.epoch import Piece
 from fastpipe.loaders.shards import ShardSet

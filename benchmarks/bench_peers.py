@@ -230,7 +230,7 @@ def overheads(items) -> dict:
 
 # -- the per-sample machinery: bytes fetched, shuffled and handed over, one process, no decode -------------------
 def machinery_fastpipe(fp: Path, epochs: int) -> float:
-    from fastpipe.dataset.manifest import load
+    from fastpipe.dataset.loading import load
     from fastpipe.loaders.config import LoaderConfig
     from fastpipe.loaders.rng import SampleRng
     from fastpipe.loaders.shards import ShardSet
@@ -406,7 +406,7 @@ def run_loader(build, epochs: int) -> dict:
 
 def decode_bound(fp: Path, passes: int = 2) -> dict:
     """One process, no loader: decode + random-resized-crop + flip → uint8 of the stored images."""
-    from fastpipe.dataset.manifest import load
+    from fastpipe.dataset.loading import load
     from fastpipe.loaders.epoch import Piece
     from fastpipe.loaders.shards import ShardSet
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from fastpipe import make_loader
-from fastpipe.dataset.manifest import load
+from fastpipe.dataset.loading import load
 
 
 def parse_args(argv=None):

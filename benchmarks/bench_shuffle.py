@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fastpipe.dataset.manifest import load
+from fastpipe.dataset.loading import load
 from fastpipe.loaders.config import LoaderConfig
 from fastpipe.loaders.prepare import Raw
 from fastpipe.loaders.shards import ShardSet

@@ -129,7 +129,7 @@ def table(res: dict) -> str:
 def main(args) -> dict:
     from bench_workers import make_shards
 
-    from fastpipe.dataset.manifest import load
+    from fastpipe.dataset.loading import load
 
     base = Path(tempfile.mkdtemp(prefix="fp-step-"))
     try:

@@ -115,7 +115,7 @@ def run_bound(shards: str, threads: int = 1) -> dict:
 
     import numpy as np
 
-    from fastpipe.dataset.manifest import load
+    from fastpipe.dataset.loading import load
     from fastpipe.loaders import cpu_ops
     from fastpipe.loaders.epoch import Piece
     from fastpipe.loaders.shards import ShardSet
@@ -308,7 +308,7 @@ def table(res: dict) -> str:
 
 
 def main(args) -> dict:
-    from fastpipe.dataset.manifest import load
+    from fastpipe.dataset.loading import load
 
     base = Path(tempfile.mkdtemp(prefix="fp-workers-"))
     try:

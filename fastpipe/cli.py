@@ -78,7 +78,12 @@ def _cmd_index(a) -> int:
             n = index_only([local_path(p, "shard") for p in paths])  # .idx files are written beside
         print(f"wrote .idx files for {len(cfg.train) + len(cfg.val)} shards ({n} samples); no manifest touched")
         return 0
-    manifest = index_shards(cfg)
+    if cfg.out and any(is_url(str(p)) for p in [*cfg.train, *cfg.val]):
+        from fastpipe.convert.adopt import index_where_they_are
+
+        manifest = index_where_they_are(cfg)
+    else:
+        manifest = index_shards(cfg)
     print(f"indexed {sum(s.samples for s in manifest.splits.values())} samples in "
           f"{sum(len(s.shards) for s in manifest.splits.values())} shards -> {manifest.location}/dataset.json"
           + (f"\nnote: {manifest.settings['note']}" if manifest.settings.get("note") else ""))
@@ -135,7 +140,7 @@ def _cmd_memory(a) -> int:
 
     extra = {}
     if a.data:
-        from fastpipe.dataset.manifest import load
+        from fastpipe.dataset.loading import load
 
         extra["num_classes"] = load(a.data).num_classes
     from fastpipe.train.memory import analyse, format_report

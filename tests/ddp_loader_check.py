@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from fastpipe import make_loader
-from fastpipe.dataset.manifest import load
+from fastpipe.dataset.loading import load
 
 
 def main(out: str) -> None:

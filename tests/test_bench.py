@@ -19,7 +19,7 @@ from fastpipe.bench.plan import PROBE_STEPS, Part, Schedule
 from fastpipe.bench.report import figure, plot, table, write_json
 from fastpipe.bench.timing import Budget
 from fastpipe.bench.verdict import LOADER_SECONDS, MIN_STEPS, advice
-from fastpipe.dataset.manifest import load
+from fastpipe.dataset.loading import load
 from fastpipe.errors import ConfigError
 from fastpipe.loaders import cpu_ops
 

@@ -9,7 +9,7 @@ import stat
 import pytest
 from conftest import epoch
 
-from fastpipe.dataset.manifest import load
+from fastpipe.dataset.loading import load
 from fastpipe.loaders import make_loader
 from fastpipe.store.cachefiles import CacheNotPrivate, private_folder
 from fastpipe.testing.devserver import FolderServer

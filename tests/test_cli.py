@@ -65,7 +65,7 @@ def test_index_in_the_readme_form(tmp_path, capsys):
                             "cls": str(i % 2).encode()})
     trains, vals = sorted(tmp_path.glob("train-*.tar")), sorted(tmp_path.glob("val-*.tar"))
     assert main(["index", *map(str, trains), "--val", *map(str, vals)]) == 0
-    from fastpipe.dataset.manifest import load
+    from fastpipe.dataset.loading import load
 
     m = load(tmp_path)
     assert m.splits["train"].samples == 8 and m.splits["val"].samples == 4

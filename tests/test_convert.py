@@ -19,7 +19,7 @@ from conftest import COLORS, make_folder, photo
 
 from fastpipe.convert.driver import ConvertError, ShardConfig, shard
 from fastpipe.convert.inspect import inspect
-from fastpipe.dataset.manifest import load
+from fastpipe.dataset.loading import load
 from fastpipe.dataset.shardformat import read_index
 from fastpipe.errors import ConfigError, DataError
 

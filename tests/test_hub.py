@@ -4,10 +4,15 @@ HTTP API as huggingface_hub calls it (fastpipe/testing/hubserver.py), selected w
 
 from __future__ import annotations
 
+import io
+import json
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import epoch, make_folder, tree
+from PIL import Image
 
 pytest.importorskip("huggingface_hub")
 
@@ -23,7 +28,12 @@ TOKEN = "hf_fastpipeTestTokenDoNotPrint0123"
 
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
-    """A Hub on loopback that wants TOKEN for every request, with an empty data set repository org/leafs."""
+    """A Hub on loopback that wants TOKEN for every request, with an empty data set repository org/leafs. (Other
+    tests' readers run offline: huggingface_hub reads HF_HUB_OFFLINE once, at import.)"""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     state = Hub(token=TOKEN)
     state.create("org/leafs")
     server, endpoint = serve_hub(state)
@@ -71,7 +81,7 @@ def test_the_owners_card_is_kept_and_a_revision_is_read(hub, tmp_path):
 
 def test_the_token_never_reaches_a_file_or_a_message(hub, tmp_path, capsys):
     """Every command over hf:// with the token in HF_TOKEN: nothing under the working folders, the cache or the
-    run holds it, nor anything printed, and every request to the Hub carried it."""
+    run holds it, nor anything printed, and every request for the data set carried it."""
     src = make_folder(tmp_path / "src", {"red": 8, "green": 8}, size=(120, 90))
     url = "hf://datasets/org/leafs"
     assert main(["shard", str(src), url, "--short-side", "48", "--workers", "1"]) == 0
@@ -82,7 +92,8 @@ def test_the_token_never_reaches_a_file_or_a_message(hub, tmp_path, capsys):
     out, err = capsys.readouterr()
     assert TOKEN not in out + err
     written = [p for p in tmp_path.rglob("*") if p.is_file() and TOKEN.encode() in p.read_bytes()]
-    assert written == [] and all(r.authorised for r in hub.requests)
+    ours = [r for r in hub.requests if "/datasets/" in r.path]  # (huggingface_hub asks for a registry of its own)
+    assert written == [] and ours and all(r.authorised for r in ours)  # the token was used, and went nowhere else
 
 
 def test_a_repository_that_cannot_be_written_is_said_before_any_work(hub, tmp_path, monkeypatch, capsys):
@@ -116,3 +127,68 @@ def test_without_huggingface_hub_one_line_names_the_extra(hub, monkeypatch, caps
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "pip install 'fastpipe[hf]'" in err
 
+
+
+def timm_style_shards(folder: Path, shards: int, per_shard: int, prefix: str = "train") -> list[Path]:
+    """Shards as timm publishes them on the Hub: .jpg, .cls and a .json of each photo's metadata, photos of a
+    realistic size (tens of KB), so that reading the headers alone is visibly less than reading the shards."""
+    import tarfile
+
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for s in range(shards):
+        path = folder / f"{prefix}-{s:06d}.tar"
+        with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tf:
+            for i in range(per_shard):
+                k = s * per_shard + i
+                image = rng.integers(0, 256, (240, 320, 3), dtype=np.uint8)
+                image[..., k % 3] = 200  # the class shows
+                buf = io.BytesIO()
+                Image.fromarray(image).save(buf, "JPEG", quality=90)
+                meta = json.dumps({"filename": f"n{k:08d}.JPEG", "label": k % 3}).encode()
+                for ext, data in (("jpg", buf.getvalue()), ("cls", str(k % 3).encode()), ("json", meta)):
+                    info = tarfile.TarInfo(f"{prefix}_{k:06d}.{ext}")
+                    info.size = len(data)
+                    tf.addfile(info, io.BytesIO(data))
+        paths.append(path)
+    return paths
+
+
+def test_shards_on_the_hub_are_indexed_where_they_are_from_their_headers(hub, tmp_path):
+    """`fastpipe index hf://.../train-*.tar --out FOLDER`: timm-style shards in a repository the user cannot write
+    are indexed by ranged reads of their tar headers (a small part of their bytes is fetched), the manifest kept in
+    FOLDER, and the loaders read the shards from the Hub as the same shards indexed locally."""
+    local = tmp_path / "local"
+    train, val = timm_style_shards(local, 4, 40), timm_style_shards(local, 1, 12, "val")
+    hub.create("timm/leafs-wds", {p.name: p.read_bytes() for p in train + val})
+    base = "hf://datasets/timm/leafs-wds"
+    before = len(hub.requests)
+    assert main(["index", *[f"{base}/{p.name}" for p in train], "--val", f"{base}/{val[0].name}",
+                 "--out", str(tmp_path / "idx"), "--stats-samples", "3"]) == 0
+    total = sum(p.stat().st_size for p in train + val)
+    reads = [r.sent for r in hub.requests[before:] if r.path.endswith(".tar")]
+    images = 3 + 9 * 3  # drawn whole: for mean/std (--stats-samples) and the previews (9 a class); and a
+    # request a sample (from its label on: the label, the metadata, the next header), one a shard for its first
+    assert len(reads) <= 172 + 5 + images and sum(reads) < 0.4 * total, (len(reads), sum(reads), total)
+    assert not any(r.method == "POST" for r in hub.requests[before:])  # nothing written to their repository
+    assert sorted(p.name for p in (tmp_path / "idx").iterdir()) == sorted(
+        ["dataset.json", "previews", *[p.with_suffix(".idx").name for p in train + val]])
+    assert main(["index", *map(str, train), "--val", str(val[0]), "--stats-samples", "3"]) == 0  # here, locally
+    theirs = epoch(make_loader(tmp_path / "idx", batch_size=4, image_size=32, with_keys=True, num_workers=0))
+    ours = epoch(make_loader(local, batch_size=4, image_size=32, with_keys=True, num_workers=0))
+    assert theirs[1] == ours[1] and (theirs[2] == ours[2]).all()
+    assert main(["inspect", str(tmp_path / "idx"), "--verify"]) == 0
+
+
+def test_an_index_of_their_shards_can_be_kept_in_a_repository_of_ours(hub, tmp_path):
+    """--out another store's folder: the index files go there in one commit, their repository is untouched, and
+    the set reads from there with the shards from theirs."""
+    train = timm_style_shards(tmp_path / "local", 2, 12)
+    hub.create("timm/leafs-wds", {p.name: p.read_bytes() for p in train})
+    ours = "hf://datasets/org/leafs/timm-index"
+    assert main(["index", *[f"hf://datasets/timm/leafs-wds/{p.name}" for p in train], "--out", ours]) == 0
+    assert hub.repos["timm/leafs-wds"].commits == ["initial commit"] and len(hub.repos["org/leafs"].commits) == 2
+    assert "timm-index/train-000000.idx" in hub.repos["org/leafs"].files
+    _, labels, _ = epoch(make_loader(ours, batch_size=4, image_size=32, with_keys=True, num_workers=0))
+    assert sorted(labels) == sorted(k % 3 for k in range(24))

@@ -95,7 +95,7 @@ def test_foreign_shards_holding_hostile_images_index_and_load_with_them_skipped(
 
     from fastpipe import make_loader
     from fastpipe.cli import main
-    from fastpipe.dataset.manifest import load
+    from fastpipe.dataset.loading import load
 
     out = tmp_path / "foreign"
     out.mkdir()

@@ -20,7 +20,7 @@ from PIL import Image
 
 from fastpipe import make_loader
 from fastpipe.convert.demo import render
-from fastpipe.dataset.manifest import load
+from fastpipe.dataset.loading import load
 from fastpipe.dataset.shardformat import read_index
 from fastpipe.errors import MissingDependency
 from fastpipe.loaders import cpu_ops, jpegcrop

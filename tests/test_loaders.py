@@ -16,7 +16,7 @@ from conftest import make_folder
 
 from fastpipe import make_loader
 from fastpipe.convert.driver import ShardConfig, shard
-from fastpipe.dataset.manifest import load
+from fastpipe.dataset.loading import load
 from fastpipe.dataset.shardformat import read_index
 from fastpipe.errors import ConfigError
 from fastpipe.loaders.epoch import TrainOrder, batches_per_epoch, step_slice, val_batches, worker_batches

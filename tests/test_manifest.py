@@ -11,7 +11,8 @@ import pytest
 
 from fastpipe import make_loader
 from fastpipe.convert.inspect import inspect
-from fastpipe.dataset.manifest import ManifestError, load
+from fastpipe.dataset.loading import load
+from fastpipe.dataset.manifest import ManifestError
 from fastpipe.errors import DataError
 from fastpipe.loaders.shards import ShardError
 

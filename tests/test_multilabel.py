@@ -15,7 +15,7 @@ from PIL import Image
 
 from fastpipe import make_loader
 from fastpipe.convert.driver import ShardConfig, shard
-from fastpipe.dataset.manifest import load
+from fastpipe.dataset.loading import load
 
 NAMES = ["rust", "scab", "mildew"]
 REAL = ["torch", "nvjpeg", pytest.param("dali", marks=pytest.mark.dali)]

@@ -201,7 +201,7 @@ def test_a_fingerprint_table_naming_paths_outside_its_source_is_not_followed(tmp
     """fingerprints.npz comes with a data set from anywhere: a path in it that climbs out of the source folder is
     never read for the picture."""
     from fastpipe.convert import against
-    from fastpipe.dataset.manifest import load
+    from fastpipe.dataset.loading import load
 
     src = tmp_path / "src"
     for k in range(4):

@@ -21,7 +21,7 @@ from conftest import COLORS, photo
 from PIL import Image
 
 from fastpipe.cli import main
-from fastpipe.dataset.manifest import load
+from fastpipe.dataset.loading import load
 
 TRAIN = dict(model="resnet18", batch_size=8, image_size=32, workers=0, device="cpu", epochs=2, optimizer="adamw",
              lr=1e-3, log_every=4)

@@ -21,7 +21,7 @@ from PIL import Image
 
 from fastpipe import make_loader
 from fastpipe.convert.driver import ShardConfig, shard
-from fastpipe.dataset.manifest import load
+from fastpipe.dataset.loading import load
 from fastpipe.dataset.shardformat import read_index, read_member
 
 # Hugging Face's libraries read these at import: nothing here may reach the network.

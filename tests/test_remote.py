@@ -23,7 +23,7 @@ import torch
 from conftest import epoch, make_folder
 from test_loaders import REAL_MODES
 
-from fastpipe.dataset.manifest import load
+from fastpipe.dataset.loading import load
 from fastpipe.errors import DataError
 from fastpipe.loaders import make_loader
 from fastpipe.store.remote import Remote, RemoteError
@@ -157,7 +157,7 @@ def test_cache_evicts_least_recently_used_shards_under_its_limit(converted, tmp_
             warnings.simplefilter("ignore")  # one window may span more than the limit: said once, not an error
             remote = epoch(loader)
     assert remote[:2] == local[:2]  # eviction under the reader's feet loses nothing
-    window = 4 * 2 * largest  # the shards of the fetch in progress are kept (stream.FETCH_WINDOW batches)
+    window = 4 * 2 * largest  # the shards of the fetch in progress are kept (prefetch.FETCH_WINDOW batches)
     assert disk_use(tmp_path / "c") <= max(limit, window)
     cached = {p.stem for p in (tmp_path / "c").glob("*.shard")}
     assert {p.stem for p in (tmp_path / "c").glob("*.idx")} <= cached  # an index goes with its shard
@@ -240,7 +240,7 @@ def test_fetch_windows_grow_while_decoding_waits_for_them(converted, tmp_path, m
     """A store slower to answer than decoding is to use up a window: windows double (fewer, larger fetches, a
     round trip each), up to MAX_WINDOW batches, MAX_WINDOW_BYTES, or what a cache limit leaves room for; every
     batch still comes, in order."""
-    from fastpipe.loaders import stream
+    from fastpipe.loaders import prefetch as stream
     from fastpipe.loaders.shards import ShardSet
 
     with FolderServer(converted, Faults(latency=0.05)) as url:
@@ -875,3 +875,26 @@ def test_doctor_reports_protocols_and_the_endpoint(s3_bucket, monkeypatch, capsy
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens on the discard port
     run_doctor()
     assert "does not answer" in capsys.readouterr().out
+
+
+def test_foreign_shards_in_a_bucket_are_indexed_where_they_are_into_a_local_folder(tmp_path, s3_bucket, monkeypatch):
+    """`index s3://.../*.tar --out FOLDER`: a store that lists no sha256 has each shard streamed once through it
+    (said in dataset.json); the manifest in FOLDER reads the shards from the bucket as the same shards indexed here."""
+    from conftest import aws_env, webdataset_shards
+
+    from fastpipe.cli import main
+    from fastpipe.store.remote import Remote
+
+    aws_env(monkeypatch, s3_bucket[0], tmp_path)
+    tars = webdataset_shards(tmp_path / "local", count=15, per_shard=6)
+    Remote("s3://leafs/theirs").put_many([(t, t.name) for t in tars])
+    urls = [f"s3://leafs/theirs/{t.name}" for t in tars]
+    assert main(["index", *urls[:2], "--val", urls[2], "--out", str(tmp_path / "idx")]) == 0
+    assert main(["index", *map(str, tars[:2]), "--val", str(tars[2])]) == 0
+    m = load(tmp_path / "idx")
+    assert m.settings["shards_at"] == "s3://leafs/theirs" and m.settings["sha256_from"] == "each shard read once"
+    assert [s.sha256 for s in m.splits["train"].shards] == [s.sha256 for s in load(tmp_path / "local").splits[
+        "train"].shards]
+    for split in ("train", "val"):
+        assert epoch(make_loader(tmp_path / "idx", split=split, num_workers=0, **KW))[:2] == \
+            epoch(make_loader(tmp_path / "local", split=split, num_workers=0, **KW))[:2]

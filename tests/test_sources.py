@@ -14,7 +14,7 @@ from conftest import COLORS, make_folder, photo
 from fastpipe.convert.discovery import discover
 from fastpipe.convert.driver import ShardConfig, shard
 from fastpipe.convert.sources import class_order
-from fastpipe.dataset.manifest import load
+from fastpipe.dataset.loading import load
 from fastpipe.errors import DataError
 
 

@@ -168,7 +168,7 @@ def test_parts_into_the_store_then_merge_there(store, folder, tmp_path, monkeypa
     from fastpipe.cli import main
     from fastpipe.convert.driver import ShardConfig, shard
     from fastpipe.convert.merge import merge_parts
-    from fastpipe.dataset.manifest import load
+    from fastpipe.dataset.loading import load
 
     request.getfixturevalue({"gs": "gcs", "az": "azure"}[store])
     monkeypatch.setenv("FASTPIPE_CACHE", str(tmp_path / "cache" / "shards"))

@@ -189,7 +189,7 @@ def test_the_earliest_bad_sample_of_a_batch_is_the_one_named_whichever_thread_fa
     first (held by an event): the error names the earlier sample, as one process decoding in order finds it."""
     import numpy as np
 
-    from fastpipe.dataset.manifest import load
+    from fastpipe.dataset.loading import load
     from fastpipe.errors import DataError
     from fastpipe.loaders.shards import ShardSet
     from fastpipe.loaders.threads import CHUNK
@@ -279,7 +279,7 @@ def test_bench_builds_its_loaders_in_the_mode_asked(converted):
     """`fastpipe bench --threads on,off`: each row's loader has the workers its row says."""
     from fastpipe.bench.config import BenchConfig
     from fastpipe.bench.parts import loader
-    from fastpipe.dataset.manifest import load
+    from fastpipe.dataset.loading import load
 
     m = load(converted)
     rows = {t: loader(BenchConfig(data=str(converted), device="cpu", workers=2, threads=t, batch_size=8,

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from fastpipe.dataset.manifest import load
+from fastpipe.dataset.loading import load
 from fastpipe.errors import ConfigError
 from fastpipe.options import IMAGENET_MEAN_STD, normalize_text
 from fastpipe.train.config import TrainConfig, image_size_for_epoch, resumed_config

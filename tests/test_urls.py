@@ -16,7 +16,8 @@ import psutil
 import pytest
 from conftest import COLORS, make_folder, photo
 
-from fastpipe.dataset.manifest import ManifestError, load
+from fastpipe.dataset.loading import load
+from fastpipe.dataset.manifest import ManifestError
 from fastpipe.errors import ConfigError, DataError
 from fastpipe.loaders import make_loader
 from fastpipe.store.remote import RemoteError

@@ -13,7 +13,7 @@ import time
 from test_loaders import KW, _corrupt_one_sample
 
 from fastpipe import make_loader
-from fastpipe.dataset.manifest import load
+from fastpipe.dataset.loading import load
 from fastpipe.loaders.epoch import batches_per_epoch
 
 

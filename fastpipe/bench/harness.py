@@ -23,7 +23,7 @@ from fastpipe.bench.config import CPU_BUDGET, SWEPT, BenchConfig, split_sweep  #
 from fastpipe.bench.plan import PROBE_SECONDS, Allot, Part, Schedule, probe
 from fastpipe.bench.timing import Budget, Utilisation, cuda_sync, measure, process_start
 from fastpipe.bench.verdict import BUSY_SHARE, MIN_STEPS, advice, busy, contradiction, too_short, verdict
-from fastpipe.dataset.manifest import load
+from fastpipe.dataset.loading import load
 from fastpipe.errors import ConfigError
 
 

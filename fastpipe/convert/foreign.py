@@ -28,7 +28,8 @@ from tqdm import tqdm
 from fastpipe.convert import outputs, previews, readers
 from fastpipe.convert.publish import staging_folder, upload
 from fastpipe.dataset import imageguard
-from fastpipe.dataset.manifest import MANIFEST_NAME, Components, Manifest, ShardInfo, SplitInfo, Stats, load, save
+from fastpipe.dataset.loading import load
+from fastpipe.dataset.manifest import MANIFEST_NAME, Components, Manifest, ShardInfo, SplitInfo, Stats, save
 from fastpipe.dataset.shardformat import (
     IMAGE_EXTS,
     LABEL_EXTS,
@@ -96,19 +97,28 @@ def _scan(tar: Path, keep: int, scan: _Scan, limit: int) -> list[str]:
     """Check one shard sample by sample; returns its `.idx` lines."""
     entries = index_tar(tar)
     with open(tar, "rb") as fh:
-        for key, parts in entries:
-            images = [e for e in parts if e in IMAGE_EXTS]
-            if len(images) != 1:
-                raise DataError(f"{tar}: sample {key!r} has {len(images)} image members ({', '.join(sorted(parts))}); "
-                                f"each sample needs exactly one of .{' .'.join(IMAGE_EXTS)}")
-            label_ext, label = _label(tar, fh, key, parts, limit)
-            scan.labels[label] += 1
-            scan.image_exts[images[0]] += 1
-            scan.label_exts[label_ext] += 1
-            if len(scan.images) < keep and parts[images[0]][1] <= MAX_STATS_IMAGE:
-                scan.images.append((f"{tar.name}/{key}", read_member(fh, parts[images[0]])))
-    scan.samples += len(entries)
+        scan_entries(tar, fh, entries, keep, scan, limit)
     return [entry_line(k, p) for k, p in entries]
+
+
+def scan_entries(tar, fh, entries: list, keep: int, scan: _Scan, limit: int) -> list[tuple[int, tuple[int, int]]]:
+    """Check a shard's samples (`entries`, read from `fh`); count them into `scan`, keep up to `keep` images for
+    mean/std. Returns each sample's (label, (offset, size) of its image)."""
+    out = []
+    for key, parts in entries:
+        images = [e for e in parts if e in IMAGE_EXTS]
+        if len(images) != 1:
+            raise DataError(f"{tar}: sample {key!r} has {len(images)} image members ({', '.join(sorted(parts))}); "
+                            f"each sample needs exactly one of .{' .'.join(IMAGE_EXTS)}")
+        label_ext, label = _label(tar, fh, key, parts, limit)
+        scan.labels[label] += 1
+        scan.image_exts[images[0]] += 1
+        scan.label_exts[label_ext] += 1
+        if len(scan.images) < keep and parts[images[0]][1] <= MAX_STATS_IMAGE:
+            scan.images.append((f"{Path(str(tar)).name}/{key}", read_member(fh, parts[images[0]])))
+        out.append((label, parts[images[0]]))
+    scan.samples += len(entries)
+    return out
 
 
 def _one(counter: Counter, what: str, shards: str) -> str | None:
@@ -230,24 +240,31 @@ def index_shards(cfg: IndexConfig) -> Manifest:
         scans = {"train": _Scan(), "val": _Scan()}
         shards = {"train": _index_split(train, out, cfg.stats_samples, scans["train"], limit),
                   "val": _index_split(val, out, 0, scans["val"], limit)}
-        both = scans["train"].image_exts + scans["val"].image_exts
-        image_ext = _one(both, "image", f"{out}") or "jpg"
-        label_ext = _one(scans["train"].label_exts + scans["val"].label_exts, "label", f"{out}") or "cls"
-        num = max([*scans["train"].labels, *scans["val"].labels, -1]) + 1
-        classes = names or tuple(str(i) for i in range(num))
-        splits = {name: SplitInfo(tuple(sh), tuple(scans[name].labels.get(i, 0) for i in range(len(classes))))
-                  for name, sh in shards.items()}
-        stats, undecoded = _stats(scans["train"].images, cfg.max_pixels)
-        manifest = Manifest(classes, splits, stats,
-                            {"indexed_from": "foreign shards", "max_pixels": cfg.max_pixels,
-                             "stats_from_samples": len(scans["train"].images) - len(undecoded),
-                             **({"undecoded": undecoded} if undecoded else {}), **({"note": note} if note else {})},
-                            Components(image=image_ext, label=label_ext, label_bin=None, meta=None), out)
+        manifest = build(cfg, names, scans, shards, out, {**({"note": note} if note else {})})
         names_ = previews.contact_sheets(manifest, out / "previews")
         manifest.outputs["previews"] = {c: f"previews/{f}" for c, f in names_.items()}
-        manifest.outputs["readers"] = readers.write(manifest, out, keep=_users_files(out, readers.names(splits)))
+        users = _users_files(out, readers.names(manifest.splits))
+        manifest.outputs["readers"] = readers.write(manifest, out, keep=users)
         save(manifest, out)
     return manifest
+
+
+def build(cfg: IndexConfig, names, scans: dict[str, _Scan], shards: dict[str, list[ShardInfo]], out: Path,
+          settings: dict) -> Manifest:
+    """The manifest of indexed shards: one image and one label type, the classes, counts and mean/std."""
+    both = scans["train"].image_exts + scans["val"].image_exts
+    image_ext = _one(both, "image", f"{out}") or "jpg"
+    label_ext = _one(scans["train"].label_exts + scans["val"].label_exts, "label", f"{out}") or "cls"
+    num = max([*scans["train"].labels, *scans["val"].labels, -1]) + 1
+    classes = names or tuple(str(i) for i in range(num))
+    splits = {name: SplitInfo(tuple(sh), tuple(scans[name].labels.get(i, 0) for i in range(len(classes))))
+              for name, sh in shards.items()}
+    stats, undecoded = _stats(scans["train"].images, cfg.max_pixels)
+    return Manifest(classes, splits, stats,
+                    {"indexed_from": "foreign shards", "max_pixels": cfg.max_pixels,
+                     "stats_from_samples": len(scans["train"].images) - len(undecoded),
+                     **({"undecoded": undecoded} if undecoded else {}), **settings},
+                    Components(image=image_ext, label=label_ext, label_bin=None, meta=None), out)
 
 
 def index_to_url(cfg: IndexConfig, storage_options: dict | None = None) -> Manifest:
@@ -259,9 +276,9 @@ def index_to_url(cfg: IndexConfig, storage_options: dict | None = None) -> Manif
     if any(u.rsplit("/", 1)[0] != prefix for u in urls) or not all(is_url(u) for u in urls):
         raise ConfigError(f"shards in a store are indexed together when they are all in one folder (prefix), "
                           f"where dataset.json will go: {', '.join(urls[:3])}...")
-    if cfg.out or cfg.idx_only:
-        raise ConfigError("--out and --idx-only take local shards: shards in a store get their dataset.json and "
-                          ".idx files beside them")
+    if cfg.out or cfg.idx_only:  # --out: convert.adopt.index_where_they_are
+        raise ConfigError("--idx-only takes local shards; shards in a store get their dataset.json and .idx files "
+                          "beside them, or in --out (adopt.index_where_they_are)")
     remote = Remote(prefix, storage_options)
     if remote.exists(MANIFEST_NAME) and not cfg.overwrite:
         raise ConfigError(f"{prefix}/{MANIFEST_NAME} already describes a data set; `fastpipe index` would replace "

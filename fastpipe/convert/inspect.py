@@ -17,7 +17,8 @@ from tqdm import tqdm
 
 from fastpipe.convert.repair import repair_indexes
 from fastpipe.dataset import imageguard, nearcopy
-from fastpipe.dataset.manifest import Manifest, load
+from fastpipe.dataset.loading import load
+from fastpipe.dataset.manifest import Manifest
 from fastpipe.dataset.shardformat import (
     BLOCK,
     decode_label,

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from fastpipe.convert import outputs, previews, readers
 from fastpipe.convert.publish import staging_folder, upload
-from fastpipe.dataset.manifest import MANIFEST_NAME, Manifest, ManifestError, SplitInfo, Stats, from_dict, load, save
+from fastpipe.dataset.loading import load
+from fastpipe.dataset.manifest import MANIFEST_NAME, Manifest, ManifestError, SplitInfo, Stats, from_dict, save
 from fastpipe.store.remote import Remote, is_url
 from fastpipe.store.urls import local_path
 from fastpipe.util import FolderLock, atomic_write_bytes, parse_json, read_json, write_jsonl_atomic

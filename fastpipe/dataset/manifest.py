@@ -7,14 +7,13 @@ conversion and read from here; nothing re-scans the shards at training time.
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fastpipe.errors import ConfigError, DataError
 from fastpipe.store.urls import check_relative
-from fastpipe.util import read_json, write_json_atomic
+from fastpipe.util import write_json_atomic
 
 FORMAT = "fastpipe-dataset"
 VERSION = 1
@@ -316,35 +315,3 @@ class _Check:
                 f"not used (fastpipe normalises with the stored train images' statistics; for others: --normalize "
                 f"imagenet or M1,M2,M3:S1,S2,S3 in train and bench, normalize= in make_loader)", given)
         return stats
-
-
-def load(folder: str | os.PathLike, storage_options: dict | None = None, cache_dir: str | os.PathLike | None = None,
-         cache_limit: int | str | None = None) -> Manifest:
-    """Read OUT/dataset.json (or a path to the file itself) with errors that say what to do. OUT may be a URL
-    (s3://, gs://, az://, http(s)://...): its shards are then read through a node-local cache (cache.py) in
-    `cache_dir` (default ~/.cache/fastpipe/shards or $FASTPIPE_CACHE), kept under `cache_limit` ("50GB")."""
-    from fastpipe.store.remote import is_url
-
-    if is_url(os.fspath(folder)):
-        from fastpipe.dataset.remote import load_remote
-
-        return load_remote(os.fspath(folder), storage_options, cache_dir, cache_limit)
-    from fastpipe.store.urls import local_path
-
-    path = local_path(folder, "data set")
-    if path.is_dir():
-        path = path / MANIFEST_NAME
-    if not path.exists():
-        folder = path.parent
-        if folder.is_dir() and any(folder.iterdir()):  # the photos themselves, most likely: never shard into them
-            out = f"{str(folder).rstrip('/')}-shards"
-            raise ManifestError(f"{folder} holds no dataset.json: if it holds your photos, convert them into a new "
-                                f"folder first, `fastpipe shard {folder} {out}`, and use {out}; for shards written by "
-                                f"another tool: `fastpipe index SHARDS...`")
-        raise ManifestError(f"{path} not found: run `fastpipe shard SRC {folder}` first, "
-                            f"or `fastpipe index SHARDS...` for shards written by another tool")
-    try:
-        data = read_json(path)
-    except (OSError, ValueError) as e:  # ValueError: JSON, UTF-8, size (DataError), nesting
-        raise ManifestError(f"{path} is damaged ({type(e).__name__}: {e}); re-run the conversion") from e
-    return from_dict(data, path.parent)

@@ -184,16 +184,17 @@ def _idx_error(path, line: int, what: str) -> DataError:
                      f"`fastpipe index --idx-only {tar}`")
 
 
-def index_tar(tar_path: Path) -> list[IndexEntry]:
+def index_tar(tar_path: Path | str, fileobj=None, size: int | None = None) -> list[IndexEntry]:
     """The index of any tar (shards written by other tools), read with tarfile and checked member by member:
     only regular files, inside the file, names without spaces (DALI's format), each (key, ext) once, a sample's
-    members next to each other. Raises DataError naming the shard and member."""
-    tar_path = Path(tar_path)
-    size = tar_path.stat().st_size
+    members next to each other. Raises DataError naming the shard and member. With `fileobj` (and its `size`), the
+    tar is read from it (a shard in a store, its headers fetched by ranges), `tar_path` names it."""
+    tar_path = Path(tar_path) if fileobj is None else tar_path
+    size = tar_path.stat().st_size if fileobj is None else size
     entries: list[IndexEntry] = []
     done: set[str] = set()
     try:
-        with tarfile.open(tar_path, mode="r:") as tf:
+        with tarfile.open(tar_path if fileobj is None else None, mode="r:", fileobj=fileobj) as tf:
             for m in tf:
                 _check_member(tar_path, m, size)
                 if m.isdir():

@@ -6,7 +6,8 @@ import importlib
 import os
 from dataclasses import fields
 
-from fastpipe.dataset.manifest import Manifest, load
+from fastpipe.dataset.loading import load
+from fastpipe.dataset.manifest import Manifest
 from fastpipe.errors import ConfigError
 from fastpipe.loaders.config import LoaderConfig
 

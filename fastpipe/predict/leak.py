@@ -26,7 +26,7 @@ class TrainingPhotos:
         """The train split's fingerprints of the run's data set; None where there are none to read (an export, a
         data set moved or converted without them)."""
         from fastpipe.convert.against import fingerprints
-        from fastpipe.dataset.manifest import load
+        from fastpipe.dataset.loading import load
 
         config = Path(model_path) / "config.json"
         if not config.is_file():

@@ -26,7 +26,7 @@ def card_of_older_run(run_dir: Path) -> dict:
         raise RunError(f"{run_dir}: its checkpoint has no model record and {config_file} cannot say how photos were "
                        f"prepared ({type(e).__name__}: {str(e)[:100]}); train the model again with this fastpipe") \
             from None
-    from fastpipe.dataset.manifest import load
+    from fastpipe.dataset.loading import load
 
     try:
         manifest = load(root)

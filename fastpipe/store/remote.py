@@ -79,8 +79,7 @@ class Counters:
         self.__init__()
 
     def _mine(self) -> None:
-        if self.pid != os.getpid():
-            self.__init__()
+        self.pid != os.getpid() and self.__init__()
 
     def add(self, requests: int = 0, nbytes: int = 0, retries: int = 0) -> None:
         self._mine()
@@ -121,8 +120,8 @@ class Remote:
         # server's environment, from whenever it started: they take the store's variables as they are now.
         self.env, self.pid = store_environment(), os.getpid()
 
-    def __repr__(self) -> str:
-        return f"Remote({self.url!r})"  # never the options or the environment: they may hold keys
+    def __repr__(self) -> str:  # never the options or the environment: they may hold keys
+        return f"Remote({self.url!r})"
 
     def __getstate__(self):
         return {**self.__dict__, "_local": None}
@@ -233,14 +232,15 @@ class Remote:
                               f"object is shorter than dataset.json says, or the server ignores Range requests")
         return data
 
-    def listing(self) -> list[tuple[str, int]]:
-        """(path relative to this folder, size) of every object below it, in one listing (a store that can list:
-        not plain HTTP)."""
+    def listing(self, checksums: bool = False) -> list[tuple]:
+        """(path relative to this folder, size[, its sha256 where the store lists one: the Hub's LFS files, or
+        None]) of every object below it, in one listing (a store that can list: not plain HTTP)."""
         fs, root, _ = self._client()
         found = self._retry(lambda: fs.find(root, detail=True), self.url)
         base = root.rstrip("/") + "/"
-        return sorted((p[len(base):], int(info.get("size") or 0)) for p, info in found.items()
-                      if p.startswith(base) and info.get("type", "file") == "file")
+        return sorted((p[len(base):], int(info.get("size") or 0), *(((info.get("lfs") or {}).get("sha256"),)
+                                                                     if checksums else ()))
+                      for p, info in found.items() if p.startswith(base) and info.get("type", "file") == "file")
 
     def without_credentials(self) -> Remote:
         """This folder as another machine (a Ray node) reads it: with its own credentials (an instance role, the
@@ -267,8 +267,8 @@ class Remote:
 
     def check_writable(self) -> None:
         """Write and remove a small object, before work that ends in uploads: a missing bucket, missing or refused
-        credentials fail here, at once, not after a whole conversion. (The Hub: its permission check, no commit.)"""
-        if self.protocol == "hf":
+        credentials fail here, at once, not after a whole conversion."""
+        if self.protocol == "hf":  # its permission check: a probe object would be two commits
             return hub.check_writable(self.url, self.options)
         fs, root, _ = self._client()
         probe = ".fastpipe-write-check"

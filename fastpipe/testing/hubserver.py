@@ -21,16 +21,19 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 RANGE_RE = re.compile(r"bytes=(\d+)-(\d*)$")
 REPO = r"(?P<repo>[\w.-]+/[\w.-]+)"
+LFS = (".tar", ".npz", ".jpg", ".parquet")  # files the Hub stores in LFS (by their attributes), with a sha256
 
 
 @dataclass
 class Repo:
     files: dict[str, bytes] = field(default_factory=dict)
     commits: list[str] = field(default_factory=list)  # each commit's title, oldest first
+    sha: str = ""  # the head commit's id
 
-    @property
-    def sha(self) -> str:
-        return hashlib.sha1(repr((sorted(self.files.items()), self.commits)).encode()).hexdigest()
+    def commit(self, title: str) -> str:
+        self.commits.append(title)
+        self.sha = hashlib.sha1(f"{len(self.commits)} {title}".encode()).hexdigest()
+        return self.sha
 
 
 @dataclass
@@ -51,7 +54,8 @@ class Hub:
         self.requests: list[Request] = []
 
     def create(self, repo_id: str, files: dict[str, bytes] | None = None) -> Repo:
-        repo = self.repos[repo_id] = Repo(dict(files or {}), ["initial commit"])
+        repo = self.repos[repo_id] = Repo(dict(files or {}))
+        repo.commit("initial commit")
         return repo
 
     def fetched(self, suffix: str = "") -> int:
@@ -62,6 +66,7 @@ class Hub:
 class _Handler(BaseHTTPRequestHandler):
     hub: Hub
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body are two writes: with Nagle, each answer waits for an ACK
 
     def log_message(self, *args):  # quiet
         pass
@@ -132,8 +137,11 @@ class _Handler(BaseHTTPRequestHandler):
         out = []
         for p in paths:
             if p in repo.files:
-                out.append({"type": "file", "path": p, "size": len(repo.files[p]),
-                            "oid": hashlib.sha1(repo.files[p]).hexdigest()})
+                data = repo.files[p]
+                entry = {"type": "file", "path": p, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
+                if p.endswith(LFS):  # the Hub keeps these in LFS, and lists each one's sha256
+                    entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+                out.append(entry)
             elif p in folders:
                 out.append({"type": "directory", "path": p, "oid": hashlib.sha1(p.encode()).hexdigest()})
         return out
@@ -181,8 +189,7 @@ class _Handler(BaseHTTPRequestHandler):
                     gone = value["path"].rstrip("/")
                     for p in [p for p in repo.files if p == gone or p.startswith(gone + "/")]:
                         del repo.files[p]
-            repo.commits.append(title)
-            sha = repo.sha
+            sha = repo.commit(title)
         host = f"http://{self.server.server_address[0]}:{self.server.server_address[1]}"
         self._json(200, {"commitUrl": f"{host}/datasets/{m['repo']}/commit/{sha}", "commitOid": sha})
 

@@ -1,0 +1,126 @@
+"""`fastpipe index URL/a.tar URL/b.tar ... --out PLACE`: foreign shards indexed where they are, in a store fastpipe
+need not write to (timm's `imagenet-1k-wds` on the Hugging Face Hub, a bucket of another team), with the manifest
+kept elsewhere: PLACE is a local folder or another store's folder.
+
+No shard is downloaded whole: each is walked by its tar headers through `RangedFile` (a range from each header on,
+which holds a sample's small members and the next header), its labels read there, and only the images drawn for
+mean/std and the previews are fetched. The `.idx` files, previews and dataset.json go to PLACE; dataset.json names
+the shards' folder (`settings.shards_at`) and each shard by its name in it, and every reader takes the shards from
+there (dataset/loading.py). A shard's sha256 is the one the store lists (the Hub lists it for every LFS file);
+from a store that lists none, each shard is read once, streamed through sha256 and not kept (`settings.sha256_from`
+says which).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from fastpipe.convert import previews
+from fastpipe.convert.foreign import MAX_CLASSES, IndexConfig, _classes, _Scan, build, scan_entries
+from fastpipe.convert.publish import staging_folder, upload
+from fastpipe.dataset.loading import load
+from fastpipe.dataset.manifest import MANIFEST_NAME, Manifest, ShardInfo, save
+from fastpipe.dataset.shardformat import entry_line, index_tar, write_index
+from fastpipe.errors import ConfigError, DataError
+from fastpipe.store.location import RangedFile
+from fastpipe.store.remote import Remote, is_url
+from fastpipe.store.urls import local_path
+
+HASH_PIECE = 8 << 20  # bytes per request when a shard is streamed through sha256
+AT_ONCE = 8  # shards walked at a time (each walk is a chain of requests: a round trip each)
+
+
+def index_where_they_are(cfg: IndexConfig, storage_options: dict | None = None) -> Manifest:
+    """Index the shards named in `cfg` (all in one store folder) into `cfg.out`; returns the manifest as read back."""
+    urls = [str(u).rstrip("/") for u in [*cfg.train, *cfg.val]]
+    prefix = urls[0].rsplit("/", 1)[0]
+    if any(u.rsplit("/", 1)[0] != prefix for u in urls) or not all(is_url(u) for u in urls):
+        raise ConfigError(f"shards in a store are indexed together when they are all in one folder (prefix): "
+                          f"{', '.join(urls[:3])}...")
+    remote = Remote(prefix, storage_options)
+    listed = {rel: (size, sha) for rel, size, sha in remote.listing(checksums=True)}
+    names = [u.rsplit("/", 1)[1] for u in urls]
+    missing = [n for n in names if n not in listed]
+    if missing:
+        raise ConfigError(f"{prefix}/{missing[0]}: no such shard ({len(missing)} of the {len(names)} named are not "
+                          f"in the store's listing)")
+    out_url = str(cfg.out) if is_url(str(cfg.out)) else None
+    out = _place(cfg, out_url, storage_options)
+    classes = _classes(cfg)
+    limit = len(classes) if classes else MAX_CLASSES
+    found: dict[int, list] = defaultdict(list)
+    scans, shards = {}, {}
+    cut = len(cfg.train)
+    for split, part, keep in (("train", names[:cut], cfg.stats_samples), ("val", names[cut:], 0)):
+        scans[split], shards[split] = _walk(remote, part, listed, out, keep, limit, found)
+    manifest = build(cfg, classes, scans, shards, out, {"shards_at": prefix,
+                                                        "sha256_from": _sha_source(listed, names)})
+    picked = previews._pick(found, manifest.classes, np.random.default_rng(0), 9)
+    sheets = previews.draw(picked, manifest.classes, out / "previews",
+                           lambda locs: remote.ranges([(rel, off, off + size) for rel, (off, size) in locs]))
+    manifest.outputs["previews"] = {c: f"previews/{f}" for c, f in sheets.items()}
+    save(manifest, out)
+    if out_url:
+        upload(out, Remote(out_url, storage_options))
+        shutil.rmtree(out)
+    return load(out_url or out, storage_options)
+
+
+def _place(cfg: IndexConfig, out_url: str | None, storage_options: dict | None) -> Path:
+    """The local folder the manifest is written in (the staging folder of a store's), refused when it would
+    replace a data set without --overwrite."""
+    if out_url:
+        taken = Remote(out_url, storage_options).exists(MANIFEST_NAME)
+        out = staging_folder(out_url + "#index")
+        shutil.rmtree(out, ignore_errors=True)
+    else:
+        out = local_path(cfg.out, "--out")
+        taken = (out / MANIFEST_NAME).exists()
+    if taken and not cfg.overwrite:
+        raise ConfigError(f"{cfg.out}/{MANIFEST_NAME} already describes a data set; add --overwrite to replace it")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _walk(remote: Remote, names: list[str], listed: dict, out: Path, keep: int, limit: int, found) -> tuple:
+    """Each shard of a split walked by its headers (AT_ONCE at a time), checked as a local one is; its .idx
+    written into `out`. Returns the split's scan and shard list."""
+    def headers(name: str):
+        size, sha = listed[name]
+        fh = RangedFile(remote, name, size)
+        entries = index_tar(fh.name, fileobj=fh, size=size)
+        if not entries:
+            raise DataError(f"{fh.name} holds no samples (an empty or image-less tar): leave it out of the command")
+        return name, fh, entries, sha or _streamed_sha256(remote, name, size)
+
+    scan, infos = _Scan(), []
+    with ThreadPoolExecutor(AT_ONCE) as pool:
+        for name, fh, entries, sha in tqdm(pool.map(headers, names), total=len(names), desc="indexing",
+                                           unit="shard", leave=False):
+            for label, image in scan_entries(fh.name, fh, entries, keep, scan, limit):
+                found[label].append((name, image))
+            index = f"{Path(name).stem}.idx"
+            write_index(out / index, [entry_line(k, p) for k, p in entries])
+            infos.append(ShardInfo(name, len(entries), listed[name][0], sha, index))
+    return scan, infos
+
+
+def _streamed_sha256(remote: Remote, name: str, size: int) -> str:
+    h = hashlib.sha256()
+    for start in range(0, size, HASH_PIECE):
+        h.update(remote.ranges([(name, start, min(size, start + HASH_PIECE))])[0])
+    return h.hexdigest()
+
+
+def _sha_source(listed: dict, names: list[str]) -> str:
+    return "the store's listing" if all(listed[n][1] for n in names) else "each shard read once"
+
+
+__all__ = ["index_where_they_are"]
