@@ -898,3 +898,26 @@ def test_foreign_shards_in_a_bucket_are_indexed_where_they_are_into_a_local_fold
     for split in ("train", "val"):
         assert epoch(make_loader(tmp_path / "idx", split=split, num_workers=0, **KW))[:2] == \
             epoch(make_loader(tmp_path / "local", split=split, num_workers=0, **KW))[:2]
+
+
+def test_a_manifest_in_a_store_sends_our_options_only_to_shards_in_its_own_bucket(tmp_path, s3_bucket, monkeypatch):
+    """A dataset.json read from a store names where its shards are (settings.shards_at): storage_options (keys,
+    headers) go with those requests only within the manifest's own scheme and bucket."""
+    import json
+
+    from conftest import aws_env, webdataset_shards
+
+    from fastpipe.cli import main
+    from fastpipe.store.remote import Remote
+
+    aws_env(monkeypatch, s3_bucket[0], tmp_path)
+    tars = webdataset_shards(tmp_path / "local", count=6, per_shard=6)
+    Remote("s3://leafs/theirs").put_many([(t, t.name) for t in tars])
+    assert main(["index", f"s3://leafs/theirs/{tars[0].name}", "--out", "s3://leafs/ours"]) == 0
+    opts = {"client_kwargs": {"region_name": "us-east-1"}}
+    assert load("s3://leafs/ours", storage_options=opts).remote.shards.options == opts
+    d = json.loads(Remote("s3://leafs/ours").cat("dataset.json"))
+    d["settings"]["shards_at"] = "s3://elsewhere/theirs"
+    (tmp_path / "dataset.json").write_text(json.dumps(d))
+    Remote("s3://leafs/ours").put_many([(tmp_path / "dataset.json", "dataset.json")])
+    assert load("s3://leafs/ours", storage_options=opts).remote.shards.options == {}

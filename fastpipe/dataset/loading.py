@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from fastpipe.dataset.manifest import MANIFEST_NAME, Manifest, ManifestError, from_dict
 from fastpipe.errors import ConfigError
@@ -80,7 +81,8 @@ def _remote(url: str, storage_options: dict | None, cache_dir, cache_limit) -> R
 
 def _shards_elsewhere(m: Manifest, shards_at, storage_options, cache_dir, cache_limit) -> Manifest:
     """The shards from the store `shards_at` names (through this node's cache), everything else from the manifest's
-    own place."""
+    own place. `storage_options` go with the shards' requests only when the manifest is local or in the same
+    origin (scheme and host or bucket): otherwise the shards' store is reached with its environment's credentials."""
     try:
         url = check_url(shards_at, "settings.shards_at") if isinstance(shards_at, str) and is_url(shards_at) else None
     except ConfigError as e:
@@ -88,10 +90,17 @@ def _shards_elsewhere(m: Manifest, shards_at, storage_options, cache_dir, cache_
     if url is None:
         raise ManifestError(f"{m.location}/{MANIFEST_NAME}: settings.shards_at should be the URL of the shards' "
                             f"folder (holds {redact(str(shards_at))[:80]!r}); re-run `fastpipe index`")
+    if m.remote is not None and _origin(url) != _origin(m.remote.url):
+        storage_options = None  # a manifest from a store does not get to send our options (headers, keys) elsewhere
     shards = _remote(url.rstrip("/"), storage_options, cache_dir, cache_limit)
     own = m.remote if m.remote is not None else Folder(m.root)
     paths = {s.path for sp in m.splits.values() for s in sp.shards}
     return replace(m, remote=Overlay(own, shards, paths))
+
+
+def _origin(url: str) -> tuple[str, str]:
+    parts = urlsplit(url)
+    return parts.scheme.lower(), parts.netloc.lower()
 
 
 __all__ = ["load", "load_remote"]
