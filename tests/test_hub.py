@@ -192,3 +192,14 @@ def test_an_index_of_their_shards_can_be_kept_in_a_repository_of_ours(hub, tmp_p
     assert "timm-index/train-000000.idx" in hub.repos["org/leafs"].files
     _, labels, _ = epoch(make_loader(ours, batch_size=4, image_size=32, with_keys=True, num_workers=0))
     assert sorted(labels) == sorted(k % 3 for k in range(24))
+
+
+def test_photos_on_the_hub_convert_as_the_same_photos_in_a_folder(hub, tmp_path):
+    """`fastpipe shard hf://datasets/ORG/NAME/photos OUT`: the photos listed once and read from the Hub give the
+    conversion of the same photos from a folder, byte for byte."""
+    src = make_folder(tmp_path / "src", {"red": 6, "green": 5, "blue": 4}, size=(120, 90))
+    hub.create("org/raw", {f"photos/{p.relative_to(src).as_posix()}": p.read_bytes() for p in src.rglob("*.jpg")})
+    assert main(["shard", "hf://datasets/org/raw/photos", str(tmp_path / "from-hub"), "--short-side", "48",
+                 "--workers", "1"]) == 0
+    assert main(["shard", str(src), str(tmp_path / "from-folder"), "--short-side", "48", "--workers", "1"]) == 0
+    assert tree(tmp_path / "from-hub") == tree(tmp_path / "from-folder")
