@@ -1,6 +1,7 @@
-"""Worker threads against worker processes (the torch backend, the same shards and settings): images/s over full
-epochs, the first epoch (construction + one epoch, in a fresh process as a user's script meets it), the whole
-loader's memory and the /dev/shm it maps, against the one-process decode bound.
+"""Worker threads against worker processes, and against the threads in one helper process (the torch backend, the
+same shards and settings): images/s over full epochs, the first epoch (construction + one epoch, in a fresh process
+as a user's script meets it), the whole loader's memory and the /dev/shm it maps, against the one-process decode
+bound.
 
 Memory is anonymous memory (heap, buffers; library pages are left out: other processes on a shared machine share and
 unshare them, which moved psutil's USS of one process by 200 MB between identical runs): USS, what the training
@@ -29,7 +30,8 @@ from pathlib import Path
 
 BOUND = "one-process decode bound"
 BARE_THREADS = "the bare decode loop in threads"  # the bound's loop split over --workers threads: no loader
-MODES = {"processes": False, "threads": True}
+MODES = {"processes": False, "threads": True, "helper": "helper"}  # helper: the threads in one helper process
+WORKERS_ARE = {False: "processes", True: "threads", "helper": "threads in a helper process"}
 
 
 def parse_args(argv=None):
@@ -162,7 +164,7 @@ def thread_accounts():
     return accounts
 
 
-def run_loader(shards: str, threads: bool, args) -> dict:
+def run_loader(shards: str, threads, args) -> dict:
     import torch
 
     from fastpipe import make_loader
@@ -194,13 +196,13 @@ def run_loader(shards: str, threads: bool, args) -> dict:
     for i, _ in enumerate(loader):
         if i == len(loader) // 2:
             mem = memory(base)
-    assert loader.describe()["workers_are"] == ("threads" if threads else "processes")
+    assert loader.describe()["workers_are"] == WORKERS_ARE[threads]
     loader.close()
     # threads: shares of the threads' time (workers x wall) on a CPU, waiting while alive (the GIL, a full queue),
     # and ended before the epoch (a thread with fewer batches left, at each epoch's end)
     whole = args.workers * wall
     share = {"thread_cpu_share": cpu / whole, "thread_wait_share": (alive - cpu) / whole,
-             "thread_ended_share": 1 - alive / whole} if threads else {}
+             "thread_ended_share": 1 - alive / whole} if threads is True else {}
     return {"img_per_s": n / wall, "first_epoch_s": first_s, "first_epoch_images": first, **mem, **share}
 
 
@@ -274,6 +276,10 @@ def report(runs: dict, args, samples: int) -> dict:
             # what the loader adds to the machine: anonymous memory (PSS) and the /dev/shm it maps
             "memory_threads_over_processes": paired(lambda x, y, z: (y["pss_bytes"] + y["shm_bytes"])
                                                     / (x["pss_bytes"] + x["shm_bytes"])),
+            "helper_over_threads": spread([h["img_per_s"] / y["img_per_s"] for h, y in zip(runs["helper"], t)]),
+            "memory_helper_over_processes": spread([(h["pss_bytes"] + h["shm_bytes"])
+                                                    / (x["pss_bytes"] + x["shm_bytes"])
+                                                    for h, x in zip(runs["helper"], p)]),
             "load_avg_1min": [r["load_avg_1min"] for v in runs.values() for r in v],
             "others_cores": spread([r["others_cores"] for v in runs.values() for r in v])}
 
@@ -303,7 +309,9 @@ def table(res: dict) -> str:
               f"{_r(res['threads_vs_bound'])}, processes {_r(res['processes_vs_bound'])}; first epoch, processes / "
               f"threads {_r(res['first_epoch_processes_over_threads'])}; USS threads / processes "
               f"{_r(res['uss_threads_over_processes'])}, PSS {_r(res['pss_threads_over_processes'])}, PSS + /dev/shm "
-              f"{_r(res['memory_threads_over_processes'])}"]
+              f"{_r(res['memory_threads_over_processes'])}",
+              f"  helper / threads {_r(res['helper_over_threads'])}; memory (PSS + /dev/shm), helper / processes "
+              f"{_r(res['memory_helper_over_processes'])}"]
     return "\n".join(lines)
 
 

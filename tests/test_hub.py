@@ -203,3 +203,40 @@ def test_photos_on_the_hub_convert_as_the_same_photos_in_a_folder(hub, tmp_path)
                  "--workers", "1"]) == 0
     assert main(["shard", str(src), str(tmp_path / "from-folder"), "--short-side", "48", "--workers", "1"]) == 0
     assert tree(tmp_path / "from-hub") == tree(tmp_path / "from-folder")
+
+
+def test_shards_the_hub_sends_to_its_cdn_are_read_there_without_the_token(tmp_path, monkeypatch):
+    """The Hub answers a shard's resolve with a redirect to a signed URL elsewhere (its CDN): the loader asks the Hub
+    once per shard, reads every range from the signed URL without sending the token there, and asks the Hub again
+    when the URL has expired."""
+    import huggingface_hub.constants
+
+    from fastpipe.store.remote import Remote
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    state = Hub(token=TOKEN, cdn=True)
+    src = make_folder(tmp_path / "src", {"red": 10, "green": 8, "blue": 6}, size=(120, 90))
+    shard(ShardConfig(src, tmp_path / "local", **SETTINGS))
+    state.create("org/leafs", tree(tmp_path / "local", skip=()))
+    server, endpoint = serve_hub(state)
+    for k, v in {"HF_ENDPOINT": endpoint, "HF_TOKEN": TOKEN, "HF_HOME": str(tmp_path / "hf-home"),
+                 "FASTPIPE_CACHE": str(tmp_path / "cache")}.items():
+        monkeypatch.setenv(k, v)
+    try:
+        ours = epoch(make_loader(tmp_path / "local", batch_size=4, image_size=32, with_keys=True, num_workers=0))
+        theirs = epoch(make_loader("hf://datasets/org/leafs", batch_size=4, image_size=32, with_keys=True,
+                                   num_workers=0))
+        assert ours[1] == theirs[1] and (ours[2] == theirs[2]).all()
+        resolved = [r.path for r in state.requests if "/resolve/" in r.path and r.path.endswith(".tar")]
+        from_cdn = [r for r in state.requests if r.path.startswith("/cdn/")]
+        assert len(resolved) == len(set(resolved)) < len(from_cdn)  # the Hub asked once a shard
+        assert not any(r.authorised for r in from_cdn)  # and the token never went to the other host
+        remote, name = Remote("hf://datasets/org/leafs"), sorted(resolved)[0].rsplit("/", 1)[1]
+        first = remote.ranges([(name, 0, 512)])
+        state.signature = "s2"  # every URL given so far expires
+        before = len(state.requests)
+        assert remote.ranges([(name, 0, 512)]) == first
+        assert [r.path.split("/")[1] for r in state.requests[before:]] == ["cdn", "datasets", "cdn"]
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -34,7 +34,7 @@ from fastpipe.store.remote import Remote, is_url
 from fastpipe.store.urls import local_path
 
 HASH_PIECE = 8 << 20  # bytes per request when a shard is streamed through sha256
-AT_ONCE = 8  # shards walked at a time (each walk is a chain of requests: a round trip each)
+AT_ONCE = 16  # shards walked at a time (each walk is a chain of requests, a round trip each; Remote.inflight)
 
 
 def index_where_they_are(cfg: IndexConfig, storage_options: dict | None = None) -> Manifest:

@@ -54,29 +54,46 @@ def _fs_class():
     hub = _hub()
 
     class HubFileSystem(hub.HfFileSystem):
-        """HfFileSystem whose reads are single exact GETs (see the module's docstring)."""
+        """HfFileSystem whose reads are single exact GETs (see the module's docstring). Where the Hub sends a file
+        elsewhere (its LFS files to a CDN, by a signed URL), that URL is kept and asked directly, without the token,
+        until it expires: a shard's ranges cost one request to the Hub's resolver, not one each (the Hub limits
+        resolver requests per user)."""
 
         read_timeout = 60.0
 
         def cat_file(self, path, start=None, end=None, **kwargs):
-            url = self.url(path)  # resolves the repository and revision (cached per client)
-            last = (WHOLE if end is None else end) - 1
-            headers = {**self._api._build_hf_headers(), "range": f"bytes={start or 0}-{last}"}
             if start is not None and end is not None and end <= start:
                 return b""
+            span = {"range": f"bytes={start or 0}-{(WHOLE if end is None else end) - 1}"}
+            direct = self.__dict__.setdefault("_direct", {}).get(path)
+            if direct is not None:
+                try:
+                    return self._get(direct, span, path, start, end)
+                except PermissionError:  # expired: ask the Hub again
+                    self._direct.pop(path, None)
+            url = self.url(path)  # resolves the repository and revision (cached per client)
+            return self._get(url, {**self._api._build_hf_headers(), **span}, path, start, end, remember=True)
+
+        def _get(self, url: str, headers: dict, path: str, start, end, remember: bool = False) -> bytes:
+            want = (WHOLE if end is None else end) - (start or 0)
+            # httpx drops the token on a redirect to another host, and a kept URL is asked without it
             with hub.utils.get_session().stream("GET", url, headers=headers, timeout=self.read_timeout,
                                                 follow_redirects=True) as r:
                 if r.status_code == 416 and start is None:
                     return b""  # an empty object
                 if r.status_code == 404:
                     raise FileNotFoundError(path)
+                if r.status_code in (401, 403) and not remember:
+                    raise PermissionError(f"{r.status_code}")
                 hub.utils.hf_raise_for_status(r)
+                if remember and str(r.url) != url:
+                    self._direct[path] = str(r.url)
                 chunks, got = [], 0
                 for chunk in r.iter_bytes():
                     got += len(chunk)
-                    if got > last + 1 - (start or 0):
-                        raise DataError(f"hf://{path}: the server sends more than the {last + 1 - (start or 0)} "
-                                        f"bytes asked (it ignores Range requests)")
+                    if got > want:
+                        raise DataError(f"hf://{path}: the server sends more than the {want} bytes asked (it "
+                                        f"ignores Range requests)")
                     chunks.append(chunk)
             return b"".join(chunks)
 

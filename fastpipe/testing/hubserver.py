@@ -15,6 +15,7 @@ import hashlib
 import json
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -48,8 +49,11 @@ class Request:
 class Hub:
     """The repositories (data sets only) and the requests answered, shared by the handler threads."""
 
-    def __init__(self, token: str | None = None):
-        self.token, self.lock = token, threading.Lock()
+    def __init__(self, token: str | None = None, latency: float = 0.0, cdn: bool = False):
+        self.token, self.lock, self.latency = token, threading.Lock(), latency  # latency: seconds added to each answer
+        # cdn: the Hub's resolve sends each .tar to a signed URL on another server (as the real Hub sends LFS files to
+        # its CDN), valid while `signature` is unchanged (change it: the URLs it gave expire)
+        self.cdn, self.cdn_url, self.signature = cdn, "", "s1"
         self.repos: dict[str, Repo] = {}
         self.requests: list[Request] = []
 
@@ -74,8 +78,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _route(self, method: str) -> None:
         path = unquote(urlsplit(self.path).path)
         self._sent = 0
+        time.sleep(self.hub.latency)
         try:
-            if self.hub.token and self.headers.get("authorization") != f"Bearer {self.hub.token}":
+            if path.startswith("/cdn/"):
+                self._cdn(path)
+            elif self.hub.token and self.headers.get("authorization") != f"Bearer {self.hub.token}":
                 self._json(401, {"error": "Invalid credentials in Authorization header"})
             else:
                 self._dispatch(method, path)
@@ -198,8 +205,27 @@ class _Handler(BaseHTTPRequestHandler):
         if data is None:
             self._json(404, {"error": "Entry not found"}, {"X-Error-Code": "EntryNotFound"})
             return
-        status, headers = 200, {"ETag": f'"{hashlib.sha1(data).hexdigest()}"', "X-Repo-Commit": repo.sha,
-                                "Accept-Ranges": "bytes"}
+        if self.hub.cdn and m["path"].endswith(".tar"):
+            self._answer(302, b"", "text/plain", {"Location": f"{self.hub.cdn_url}/cdn/{m['repo']}/{m['path']}"
+                                                              f"?sig={self.hub.signature}"})
+            return
+        self._range(data, {"X-Repo-Commit": repo.sha})
+
+    def _cdn(self, path: str) -> None:
+        """A signed URL the resolve sent a client to: no token wanted (a client must not send it here)."""
+        if parse_qs(urlsplit(self.path).query).get("sig") != [self.hub.signature]:
+            self._json(403, {"error": "Request has expired"})
+            return
+        org, name, rel = path[len("/cdn/"):].split("/", 2)
+        repo = self.hub.repos.get(f"{org}/{name}")
+        data = repo.files.get(rel) if repo else None
+        if data is None:
+            self._json(404, {"error": "not found"})
+        else:
+            self._range(data, {})
+
+    def _range(self, data: bytes, extra: dict) -> None:
+        status, headers = 200, {"ETag": f'"{hashlib.sha1(data).hexdigest()}"', "Accept-Ranges": "bytes", **extra}
         asked = RANGE_RE.match(self.headers.get("range") or "")
         if asked:
             start = int(asked[1])
@@ -242,6 +268,13 @@ def serve_hub(hub: Hub) -> tuple[ThreadingHTTPServer, str]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True, name="hub-server").start()
+    if hub.cdn:  # another origin (another port), stopped with the Hub's server
+        cdn = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        cdn.daemon_threads = True
+        threading.Thread(target=cdn.serve_forever, daemon=True, name="hub-cdn").start()
+        hub.cdn_url = f"http://127.0.0.1:{cdn.server_address[1]}"
+        stop = server.shutdown
+        server.shutdown = lambda: (cdn.shutdown(), cdn.server_close(), stop())
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 
 

@@ -1,0 +1,116 @@
+"""Indexing foreign shards where they are (`fastpipe index URL/*.tar --out FOLDER`): the bytes fetched and the time
+taken, against downloading the same shards whole, from a loopback server that answers the Hugging Face Hub's API
+with a fixed latency added to every request (a store's time to first byte).
+
+    python benchmarks/bench_adopt.py --latency 0.02 --json docs/results/adopt.json
+
+The shards are timm-style (.jpg, .cls, .json per sample), their photos noise-filled JPEGs of about the size of an
+ImageNet photo (500 x 375 at quality 90: ~150 KB; real photos compress better, which makes the header walk's share
+of the bytes larger, not its number of requests). The walk makes one request per sample (its label, metadata and
+the next header come together), the shards walked AT_ONCE at a time; its time is about samples / AT_ONCE x latency
+plus the photos fetched for mean/std and the previews. Each variant runs `--rounds` times, alternated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shards", type=int, default=16)
+    ap.add_argument("--per-shard", type=int, default=100)
+    ap.add_argument("--latency", type=float, default=0.02, help="seconds added to every request")
+    ap.add_argument("--stats-samples", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default="bench-results/adopt.json")
+    return ap.parse_args(argv)
+
+
+def make_shards(folder: Path, shards: int, per_shard: int) -> list[Path]:
+    import tarfile
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True)
+    paths = []
+    for s in range(shards):
+        path = folder / f"train-{s:06d}.tar"
+        with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tf:
+            for i in range(per_shard):
+                k = s * per_shard + i
+                buf = io.BytesIO()
+                Image.fromarray(rng.integers(0, 256, (375, 500, 3), dtype=np.uint8)).save(buf, "JPEG", quality=90)
+                meta = json.dumps({"filename": f"n{k:08d}.JPEG", "label": k % 10}).encode()
+                for ext, data in (("jpg", buf.getvalue()), ("cls", str(k % 10).encode()), ("json", meta)):
+                    info = tarfile.TarInfo(f"{k:08d}.{ext}")
+                    info.size = len(data)
+                    tf.addfile(info, io.BytesIO(data))
+        paths.append(path)
+    return paths
+
+
+def main(args) -> dict:
+    from fastpipe.cli import main as cli
+    from fastpipe.store.remote import Remote
+    from fastpipe.testing.hubserver import Hub, serve_hub
+
+    base = Path(tempfile.mkdtemp(prefix="fp-adopt-"))
+    hub = Hub(latency=args.latency)
+    server, endpoint = serve_hub(hub)
+    os.environ.update(HF_ENDPOINT=endpoint, HF_HOME=str(base / "hf"), FASTPIPE_CACHE=str(base / "cache"))
+    try:
+        paths = make_shards(base / "local", args.shards, args.per_shard)
+        total = sum(p.stat().st_size for p in paths)
+        hub.create("timm/bench-wds", {p.name: p.read_bytes() for p in paths})
+        urls = [f"hf://datasets/timm/bench-wds/{p.name}" for p in paths]
+        runs = {"walk": [], "download": []}
+        for r in range(args.rounds):
+            before, t = len(hub.requests), time.perf_counter()
+            out = base / f"idx-{r}"
+            assert cli(["index", *urls, "--out", str(out), "--stats-samples", str(args.stats_samples)]) == 0
+            seconds = time.perf_counter() - t
+            reads = [q.sent for q in hub.requests[before:] if q.path.endswith(".tar")]
+            runs["walk"].append({"s": seconds, "requests": len(reads), "bytes": sum(reads)})
+            t = time.perf_counter()
+            Remote("hf://datasets/timm/bench-wds").get_many([(p.name, base / f"dl-{p.name}") for p in paths])
+            runs["download"].append({"s": time.perf_counter() - t, "bytes": total})
+            for p in paths:
+                (base / f"dl-{p.name}").unlink()
+        samples = args.shards * args.per_shard
+        med = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in runs.items()}
+        return {"shards": args.shards, "samples": samples, "shard_bytes": total, "latency_s": args.latency,
+                "stats_samples": args.stats_samples, "rounds": args.rounds, "runs": runs, "median": med,
+                "walk_bytes_share": med["walk"]["bytes"] / total,
+                "walk_requests_per_sample": med["walk"]["requests"] / samples,
+                "walk_seconds_per_1000_samples": 1000 * med["walk"]["s"] / samples}
+    finally:
+        server.shutdown()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    a = parse_args()
+    res = main(a)
+    m = res["median"]
+    print(f"{res['samples']} samples in {res['shards']} shards ({res['shard_bytes'] / 2**20:.0f} MB), "
+          f"{res['latency_s'] * 1000:.0f} ms a request, {res['rounds']} rounds (medians):")
+    print(f"  header walk: {m['walk']['s']:.2f} s, {m['walk']['requests']:.0f} requests "
+          f"({res['walk_requests_per_sample']:.2f} a sample), {m['walk']['bytes'] / 2**20:.1f} MB "
+          f"({100 * res['walk_bytes_share']:.1f} % of the shards); {res['walk_seconds_per_1000_samples']:.2f} s per "
+          f"1000 samples")
+    print(f"  whole download: {m['download']['s']:.2f} s, {m['download']['bytes'] / 2**20:.0f} MB")
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps(res, indent=1))
+    sys.exit(0)
