@@ -23,7 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from fastpipe.convert import previews
-from fastpipe.convert.foreign import MAX_CLASSES, IndexConfig, _classes, _Scan, build, scan_entries
+from fastpipe.convert.foreign import MAX_CLASSES, MAX_STATS_IMAGE, IndexConfig, _classes, _Scan, build, scan_entries
 from fastpipe.convert.publish import staging_folder, upload
 from fastpipe.dataset.loading import load
 from fastpipe.dataset.manifest import MANIFEST_NAME, Manifest, ShardInfo, save
@@ -100,15 +100,20 @@ def _walk(remote: Remote, names: list[str], listed: dict, out: Path, keep: int, 
             raise DataError(f"{fh.name} holds no samples (an empty or image-less tar): leave it out of the command")
         return name, fh, entries, sha or _streamed_sha256(remote, name, size)
 
-    scan, infos = _Scan(), []
+    scan, infos, for_stats = _Scan(), [], []
     with ThreadPoolExecutor(AT_ONCE) as pool:
         for name, fh, entries, sha in tqdm(pool.map(headers, names), total=len(names), desc="indexing",
                                            unit="shard", leave=False):
-            for label, image in scan_entries(fh.name, fh, entries, keep, scan, limit):
+            for (key, _), (label, image) in zip(entries, scan_entries(fh.name, fh, entries, 0, scan, limit)):
                 found[label].append((name, image))
+                if len(for_stats) < keep and image[1] <= MAX_STATS_IMAGE:
+                    for_stats.append((f"{name}/{key}", name, image))
             index = f"{Path(name).stem}.idx"
             write_index(out / index, [entry_line(k, p) for k, p in entries])
             infos.append(ShardInfo(name, len(entries), listed[name][0], sha, index))
+    # the first `keep` images, as a local index takes them, fetched together (not one round trip each)
+    datas = remote.ranges([(name, off, off + size) for _, name, (off, size) in for_stats]) if for_stats else []
+    scan.images = [(where, data) for (where, _, _), data in zip(for_stats, datas)]
     return scan, infos
 
 
