@@ -19,6 +19,7 @@ pytest.importorskip("huggingface_hub")
 from fastpipe import make_loader
 from fastpipe.cli import main
 from fastpipe.convert.driver import ShardConfig, shard
+from fastpipe.dataset.loading import load
 from fastpipe.errors import ConfigError
 from fastpipe.store.urls import check_url, redact
 from fastpipe.testing.hubserver import Hub, serve_hub
@@ -71,11 +72,15 @@ def test_a_set_sharded_into_the_hub_is_one_commit_with_a_card_and_reads_as_the_l
 
 
 def test_the_owners_card_is_kept_and_a_revision_is_read(hub, tmp_path):
-    hub.repos["org/leafs"].files["sets/v1/README.md"] = b"# our own card\n"
-    shard(ShardConfig(make_folder(tmp_path / "src", {"red": 6, "blue": 6}), "hf://datasets/org/leafs/sets/v1",
-                      **SETTINGS))
-    assert hub.repos["org/leafs"].files["sets/v1/README.md"] == b"# our own card\n"
+    """A card goes only where the Hub reads one, the repository's root, and never over the owner's; a set in a
+    folder of the repository is read at a revision."""
+    src = make_folder(tmp_path / "src", {"red": 6, "blue": 6})
+    hub.repos["org/leafs"].files["README.md"] = b"# our own card\n"
+    shard(ShardConfig(src, "hf://datasets/org/leafs", **SETTINGS))
+    assert hub.repos["org/leafs"].files["README.md"] == b"# our own card\n"
+    shard(ShardConfig(src, "hf://datasets/org/leafs/sets/v1", **SETTINGS))
     assert "sets/v1/dataset.json" in hub.repos["org/leafs"].files
+    assert "sets/v1/README.md" not in hub.repos["org/leafs"].files  # the Hub would not show it
     assert main(["inspect", "hf://datasets/org/leafs@main/sets/v1", "--verify"]) == 0
 
 
@@ -112,13 +117,23 @@ def test_a_repository_that_cannot_be_written_is_said_before_any_work(hub, tmp_pa
     ("hf://datasets/org/leafs", True), ("hf://datasets/org/leafs@v2/sets/one", True),
     ("hf://datasets/org/leafs@refs/pr/3", True), ("hf://models/org/resnet", False),
     ("hf://datasets/org/leafs/../other", False), ("hf://datasets/org/leafs?token=x", False),
-    ("hf://datasets/leafs", False)])
+    ("hf://datasets/leafs", False), ("hf://datasets/org/..", False), ("hf://datasets/org/leafs@..", False),
+    ("hf://datasets/-org/leafs", False), ("hf://datasets/org/le--afs", False),
+    ("hf://user:hf_secret@datasets/org/leafs", False)])
 def test_hub_urls_name_a_data_set_repository_and_a_revision(url, ok):
     if ok:
         assert check_url(url) == url and redact(url) == url  # '@' is a revision here, not a password
     else:
-        with pytest.raises(ConfigError, match="hf://datasets/ORG/NAME"):
+        with pytest.raises(ConfigError, match="hf://datasets/ORG/NAME") as e:
             check_url(url)
+        assert "hf_secret" not in str(e.value)
+
+
+@pytest.mark.parametrize("text", ["hf://user:hf_secret@datasets/org/set", "img_001https://u:hf_secret@h/x",
+                                  "x=1s3://KEY:hf_secret@bucket/p", "s3://KEY:hf/secret@bucket/p"])
+def test_credentials_in_any_url_are_redacted_hub_revisions_are_not(text):
+    assert "hf_secret" not in redact(text) and "hf/secret" not in redact(text)
+    assert redact("see hf://datasets/org/set@v2/a.tar") == "see hf://datasets/org/set@v2/a.tar"
 
 
 def test_without_huggingface_hub_one_line_names_the_extra(hub, monkeypatch, capsys):
@@ -179,6 +194,8 @@ def test_shards_on_the_hub_are_indexed_where_they_are_from_their_headers(hub, tm
     ours = epoch(make_loader(local, batch_size=4, image_size=32, with_keys=True, num_workers=0))
     assert theirs[1] == ours[1] and (theirs[2] == ours[2]).all()
     assert main(["inspect", str(tmp_path / "idx"), "--verify"]) == 0
+    pinned = load(tmp_path / "idx").settings["shards_at"]  # their next push does not change what it describes
+    assert pinned == f"{base}@{hub.repos['timm/leafs-wds'].sha}"
 
 
 def test_an_index_of_their_shards_can_be_kept_in_a_repository_of_ours(hub, tmp_path):
@@ -240,3 +257,28 @@ def test_shards_the_hub_sends_to_its_cdn_are_read_there_without_the_token(tmp_pa
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_whole_object_over_its_limit_is_refused_not_cut(hub):
+    from fastpipe.store.remote import Remote, RemoteError
+
+    hub.repos["org/leafs"].files["big.json"] = b"x" * 5000
+    remote = Remote("hf://datasets/org/leafs")
+    assert remote.cat("big.json", limit=5000) == b"x" * 5000
+    with pytest.raises(RemoteError, match="over the limit of 4999"):
+        remote.cat("big.json", limit=4999)
+
+
+def test_an_upload_that_fails_keeps_the_conversion_and_says_so(hub, tmp_path, monkeypatch, capsys):
+    """The Hub refusing the commit after the work: one line naming the staging folder that the same command
+    uploads from again, and no commit."""
+    src = make_folder(tmp_path / "src", {"red": 4, "blue": 4})
+    real = hub.repos["org/leafs"]
+    hub.refuse_commits = True
+    assert main(["shard", str(src), "hf://datasets/org/leafs", "--workers", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "run the same command again to upload them" in err, err
+    assert real.commits == ["initial commit"]
+    hub.refuse_commits = False
+    assert main(["shard", str(src), "hf://datasets/org/leafs", "--workers", "1"]) == 0
+    assert len(real.commits) == 2 and "dataset.json" in real.files

@@ -921,3 +921,9 @@ def test_a_manifest_in_a_store_sends_our_options_only_to_shards_in_its_own_bucke
     (tmp_path / "dataset.json").write_text(json.dumps(d))
     Remote("s3://leafs/ours").put_many([(tmp_path / "dataset.json", "dataset.json")])
     assert load("s3://leafs/ours", storage_options=opts).remote.shards.options == {}
+    for elsewhere in ("file:///etc", "http://169.254.169.254/latest"):  # this machine's files, another host
+        d["settings"]["shards_at"] = elsewhere
+        (tmp_path / "dataset.json").write_text(json.dumps(d))
+        Remote("s3://leafs/ours").put_many([(tmp_path / "dataset.json", "dataset.json")])
+        with pytest.raises(DataError, match="not in the same kind of store"):
+            load("s3://leafs/ours")

@@ -78,8 +78,44 @@ def test_unknown_tags_and_normalising_as_no_weights_are_one_line():
     from fastpipe.train.config import TrainConfig
     from fastpipe.train.session import resolve
 
-    with pytest.raises(ConfigError, match="unknown pretrained tag .*timm:resnet10t.c3_in1k"):
+    with pytest.raises(ConfigError, match=r"unknown pretrained tag .*timm:resnet10t\.c3_in1k"):
         build_model("timm:resnet10t.nonesuch", 3, 32)
     cfg = TrainConfig(data="x", normalize="pretrained", device="cpu")
     with pytest.raises(ConfigError, match="--normalize pretrained: there are no pretrained weights"):
         resolve(cfg, torch.device("cpu"))
+
+
+def _timm_cache(root, hub_id: str, state) -> None:
+    """The Hugging Face cache's layout for one repository's model.safetensors, as timm's download leaves it."""
+    from safetensors.torch import save_file
+
+    repo = root / f"models--{hub_id.replace('/', '--')}"
+    (repo / "snapshots" / "0123abc").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abc")
+    save_file(state, str(repo / "snapshots" / "0123abc" / "model.safetensors"))
+
+
+def test_a_vits_zoo_weights_are_adapted_to_the_image_size(tmp_path, monkeypatch):
+    """timm's own loader takes the zoo's weights: a ViT trained at 160 px keeps its position embedding at 64 px,
+    resampled, not dropped and left random."""
+    timm = pytest.importorskip("timm")
+    hub_constants = pytest.importorskip("huggingface_hub.constants")
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    state = timm.create_model("test_vit", pretrained=False).state_dict()
+    _timm_cache(tmp_path / "hf", "timm/test_vit.r160_in1k", state)
+    model = build_model("timm:test_vit.r160_in1k", 3, 64, pretrained="zoo")
+    assert model.pos_embed.shape[1] == 1 + (64 // 16) ** 2
+    assert torch.equal(model.pos_embed[0, 0], state["pos_embed"][0, 0])  # the class token's, kept
+    assert torch.equal(model.blocks[0].attn.qkv.weight, state["blocks.0.attn.qkv.weight"])
+    assert model.get_classifier().out_features == 3
+
+
+def test_a_bad_tag_is_one_line_wherever_it_is_given(tmp_path, monkeypatch):
+    pytest.importorskip("timm")
+    from fastpipe.train.config import TrainConfig
+    from fastpipe.train.session import resolve
+
+    for model, pretrained in (("timm:resnet10t", "zoo:nonesuch"), ("timm:resnet10t.c3_in1k", "zoo:a1_in1k")):
+        with pytest.raises(ConfigError, match="resnet10t"):
+            resolve(TrainConfig(data="x", model=model, pretrained=pretrained, device="cpu"), torch.device("cpu"))

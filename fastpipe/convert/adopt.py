@@ -29,6 +29,7 @@ from fastpipe.dataset.loading import load
 from fastpipe.dataset.manifest import MANIFEST_NAME, Manifest, ShardInfo, save
 from fastpipe.dataset.shardformat import entry_line, index_tar, write_index
 from fastpipe.errors import ConfigError, DataError
+from fastpipe.store import hub
 from fastpipe.store.location import RangedFile
 from fastpipe.store.remote import Remote, is_url
 from fastpipe.store.urls import local_path
@@ -44,6 +45,8 @@ def index_where_they_are(cfg: IndexConfig, storage_options: dict | None = None) 
     if any(u.rsplit("/", 1)[0] != prefix for u in urls) or not all(is_url(u) for u in urls):
         raise ConfigError(f"shards in a store are indexed together when they are all in one folder (prefix): "
                           f"{', '.join(urls[:3])}...")
+    if prefix.startswith("hf://"):  # someone else's repository: the index describes it as it is now
+        prefix = hub.pinned(prefix, storage_options or {})
     remote = Remote(prefix, storage_options)
     listed = {rel: (size, sha) for rel, size, sha in remote.listing(checksums=True)}
     names = [u.rsplit("/", 1)[1] for u in urls]

@@ -2,19 +2,26 @@
 split, mean/std, how it was made) and how to read it with fastpipe, webdataset and Hugging Face `datasets`. Its
 YAML header tells the Hub's viewer and `datasets.load_dataset` which shards form each split.
 
-Written only where the repository has no README.md at that place: a card the owner wrote is theirs.
+Written only for a set at the root of its repository (the Hub reads a card there only) whose shards are in it (not
+an index of someone else's shards, `index --out`), and only where the repository has no README.md: a card the owner
+wrote is theirs.
 """
 
 from __future__ import annotations
+
+import re
 
 from fastpipe.store.hub import parts
 
 SPLIT_NAMES = {"train": "train", "val": "validation"}  # the names `datasets` and the Hub's viewer expect
 
 
-def card(manifest: dict, url: str) -> str:
+def card(manifest: dict, url: str) -> str | None:
+    """The card's text, or None where none is written (see the module's docstring)."""
     repo, revision, folder = parts(url)
-    prefix = f"{folder}/" if folder else ""
+    if folder or (manifest.get("settings") or {}).get("shards_at"):
+        return None
+    prefix = ""
     splits = {name: sp for name, sp in manifest.get("splits", {}).items() if sp.get("shards")}
     header = ["---", "task_categories:", "- image-classification", "tags:", "- webdataset", "- fastpipe",
               "configs:", "- config_name: default", "  data_files:"]
@@ -48,7 +55,12 @@ def _contents(manifest: dict, repo: str, splits: dict) -> list[str]:
 def _reading(url: str, repo: str, revision: str | None, prefix: str, splits: dict) -> list[str]:
     first = next(iter(splits), "train")
     shards = [s["path"] for s in splits.get(first, {}).get("shards", [])]
-    braces = f"{shards[0][:-10]}{{{shards[0][-10:-4]}..{shards[-1][-10:-4]}}}.tar" if shards else f"{first}.tar"
+    numbered = [re.fullmatch(r"(.*-)(\d+)\.tar", p) for p in shards]
+    if shards and all(numbered) and [int(m[2]) for m in numbered] == list(range(int(numbered[0][2]), len(shards) +
+                                                                                int(numbered[0][2]))):
+        braces = f"{numbered[0][1]}{{{numbered[0][2]}..{numbered[-1][2]}}}.tar"  # train-{000000..000007}.tar
+    else:
+        braces = shards[0] if shards else f"{first}.tar"
     return ["## Read it", "", "With fastpipe (`pip install 'fastpipe[hf]'`):", "", "```python",
             "from fastpipe import make_loader", "",
             f'loader = make_loader("{url}", split="{first}", batch_size=64, image_size=224)', "```", "",
@@ -60,7 +72,7 @@ def _reading(url: str, repo: str, revision: str | None, prefix: str, splits: dic
 
 
 def _cell(name: str) -> str:
-    return str(name).replace("|", "\\|").replace("\n", " ")
+    return str(name).replace("|", "\\|").replace("\r", " ").replace("\n", " ")
 
 
 def _three(values) -> str:

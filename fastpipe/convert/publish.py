@@ -134,15 +134,17 @@ def upload(folder: Path, remote: Remote, skip: set[str] = frozenset()) -> None:
 
 
 def _commit(folder: Path, remote: Remote, files: list[Path]) -> None:
-    """A Hub repository gets the files in one commit, and a data card where it has no README.md at that place."""
+    """A Hub repository gets the files in one commit, and a data card (datacard.py says where) where it has no
+    README.md."""
     rels = [(p, p.relative_to(folder).as_posix()) for p in files]
     manifest = folder / "dataset.json"
-    if manifest.is_file() and not remote.exists("README.md"):
+    text = card(parse_json(manifest.read_bytes()), remote.url) if manifest.is_file() else None
+    if text and not remote.exists("README.md"):
         card_file = folder / ".fastpipe-card.md"
-        card_file.write_text(card(parse_json(manifest.read_bytes()), remote.url))
+        card_file.write_text(text)
         rels.append((card_file, "README.md"))
     what = "a converted data set" if manifest.is_file() else "a part of a converted data set"
-    hub.commit(remote.url, rels, f"fastpipe: {what} ({len(files)} files)", remote.options, remote.timeout)
+    hub.commit(remote.url, rels, f"fastpipe: {what} ({len(files)} files)", remote.options, remote._retry, folder)
 
 
 __all__ = ["shard_to_url", "staging_folder", "upload"]

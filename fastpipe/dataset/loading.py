@@ -90,7 +90,13 @@ def _shards_elsewhere(m: Manifest, shards_at, storage_options, cache_dir, cache_
     if url is None:
         raise ManifestError(f"{m.location}/{MANIFEST_NAME}: settings.shards_at should be the URL of the shards' "
                             f"folder (holds {redact(str(shards_at))[:80]!r}); re-run `fastpipe index`")
-    if m.remote is not None and _origin(url) != _origin(m.remote.url):
+    ours = _origin(m.remote.url) if m.remote is not None else None
+    if ours and (_origin(url)[0] != ours[0] or (ours[0] in ("http", "https", "file") and _origin(url) != ours)):
+        # a manifest from a store must not make this machine read its local files or another host's addresses
+        raise ManifestError(f"{m.location}/{MANIFEST_NAME}: settings.shards_at {redact(url)} is not in the same "
+                            f"kind of store as the manifest ({m.remote.protocol}://), or not on its host; an index "
+                            f"of shards elsewhere is kept beside them or on this machine: re-run `fastpipe index`")
+    if ours and _origin(url) != ours:
         storage_options = None  # a manifest from a store does not get to send our options (headers, keys) elsewhere
     shards = _remote(url.rstrip("/"), storage_options, cache_dir, cache_limit)
     own = m.remote if m.remote is not None else Folder(m.root)

@@ -285,7 +285,8 @@ _RETRIES_OFF = {"s3": _s3_retries_off, "gs": _gs_retries_off, "az": _az_retries_
 def installed_protocols() -> dict[str, bool]:
     """Which remote protocols this environment can read (for `fastpipe doctor`)."""
     return {p: importlib.util.find_spec(m) is not None
-            for p, m in (("s3", "s3fs"), ("gs", "gcsfs"), ("az", "adlfs"), ("http", "aiohttp"))}
+            for p, m in (("s3", "s3fs"), ("gs", "gcsfs"), ("az", "adlfs"), ("http", "aiohttp"),
+                         ("hf", "huggingface_hub"))}
 
 
 __all__ = ["MAX_REDIRECTS", "PROTOCOL_EXTRAS", "CrossOriginRedirect", "ObjectTooLarge", "brief", "cat_bounded",

@@ -9,6 +9,7 @@ the loaders, the cache and `inspect` take them as they take a store.
 
 from __future__ import annotations
 
+import bisect
 import io
 import os
 from pathlib import Path
@@ -114,7 +115,7 @@ class Overlay:
         return Overlay(self.own.without_credentials(), self.shards.without_credentials(), set(self.paths))
 
 
-SEEN = 4096  # small ranges a RangedFile keeps (16 MiB at most): a shard's sample headers and labels
+SEEN = 32 << 20  # bytes of small ranges a RangedFile keeps: a shard's sample headers and labels (8,000 samples)
 
 
 class RangedFile(io.RawIOBase):
@@ -127,7 +128,9 @@ class RangedFile(io.RawIOBase):
         self.remote, self.rel, self.size, self.ahead = remote, rel, size, ahead
         self.name = remote.join(rel)
         self.pos, self.start, self.buf = 0, 0, b""
-        self.seen: dict[int, bytes] = {}  # the ranges fetched so far, by start (a label is read after the walk)
+        # the small ranges fetched so far, by start (a label is read after the walk), and their starts in order
+        self.seen: dict[int, bytes] = {}
+        self.starts: list[int] = []
 
     def readable(self) -> bool:
         return True
@@ -154,13 +157,14 @@ class RangedFile(io.RawIOBase):
 
     def _fetch(self, n: int) -> tuple[int, bytes]:
         """A range that holds [pos, pos + n): one fetched before (the last SEEN of them), or a new one."""
-        for start, buf in self.seen.items():
-            if start <= self.pos and self.pos + n <= start + len(buf):
-                return start, buf
+        k = bisect.bisect_right(self.starts, self.pos) - 1  # the last range starting at or before pos
+        if k >= 0 and self.pos + n <= self.starts[k] + len(self.seen[self.starts[k]]):
+            return self.starts[k], self.seen[self.starts[k]]
         end = min(self.size, self.pos + max(n, self.ahead))
         buf = self.remote.ranges([(self.rel, self.pos, end)])[0]
-        if len(buf) <= self.ahead and len(self.seen) < SEEN:
+        if len(buf) <= self.ahead and len(self.seen) * self.ahead < SEEN and self.pos not in self.seen:
             self.seen[self.pos] = buf
+            bisect.insort(self.starts, self.pos)
         return self.pos, buf
 
     def readinto(self, b) -> int:

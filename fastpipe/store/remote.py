@@ -171,10 +171,10 @@ class Remote:
         fs, root, pool = self._client()
         for rel, _, _ in parts:
             self.join(rel)  # the path policy (urls.check_relative), before any request
-        if not getattr(fs, "async_impl", False):
-            return list(pool.map(lambda p: self._sized(self._retry(
-                lambda: fs.cat_file(f"{root}/{p[0]}", start=p[1], end=p[2]), self.join(p[0]), p[1:]), p, limit),
-                parts))
+        if not getattr(fs, "async_impl", False):  # a whole object asked as its first limit + 1 bytes
+            return list(pool.map(lambda p: self._sized(self._retry(lambda: fs.cat_file(
+                f"{root}/{p[0]}", start=p[1], end=limit + 1 if p[1] is None else p[2]), self.join(p[0]), p[1:]),
+                p, limit), parts))
         out: list = [None] * len(parts)
         todo = list(range(len(parts)))
         for attempt in range(1, self.attempts + 1):
@@ -269,7 +269,7 @@ class Remote:
         """Write and remove a small object, before work that ends in uploads: a missing bucket, missing or refused
         credentials fail here, at once, not after a whole conversion."""
         if self.protocol == "hf":  # its permission check: a probe object would be two commits
-            return hub.check_writable(self.url, self.options)
+            return hub.check_writable(self.url, self.options, self._retry)
         fs, root, _ = self._client()
         probe = ".fastpipe-write-check"
         try:
@@ -337,7 +337,7 @@ class Remote:
             raise RemoteError(f"{url} not found: check the URL, or that the upload finished") from e
         if refused(e):
             raise RemoteError(f"{url}: access refused ({brief(e)}); check the credentials (storage_options or the "
-                              f"AWS_/GOOGLE_/AZURE_ environment)") from e
+                              f"AWS_/GOOGLE_/AZURE_ environment, HF_TOKEN)") from e
         if not transient(e) or attempt == self.attempts:
             kind = f"still failing after {attempt} attempts" if transient(e) else "failed"
             raise RemoteError(f"reading {where} {kind}: {type(e).__name__}: {brief(e)}") from e

@@ -27,9 +27,7 @@ from fastpipe.errors import ConfigError
 # A scheme and its userinfo, up to the '@' that ends it: a secret may hold '/' (AWS secret keys do), which would end a
 # URL's host part, and '@' (then every '@'-ended run without '/', '?' or '#' that follows is the secret's too). One
 # slash is enough: a URL read as a path on disk ('https://a:b@h/x' as Path) keeps only one.
-# hf:// is left out: its '@' names a revision (hf://datasets/org/set@v2), and its URLs never hold a secret (HF_TOKEN).
-_CREDENTIALS = re.compile(r"(?<![A-Za-z0-9+.-])(?P<scheme>(?![Hh][Ff]:)[A-Za-z][A-Za-z0-9+.-]*:/+)[^\s@]*@"
-                          r"(?:[^\s@/?#]*@)*")
+_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*:/+)(?P<info>[^\s@]*)@(?:[^\s@/?#]*@)*")
 # A query or fragment: from '?' or '#' to a space, or to a closing quote (one followed by what follows a quoted string
 # in a repr or JSON text: a quote inside a value is part of it).
 _QUERY = re.compile(r"[?#](?:[^\s#'\"]|['\"](?![\s,\])}:]|$))*")
@@ -41,8 +39,15 @@ _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 def redact(text: str) -> str:
     """`text` with the secrets of every URL or path in it replaced by ***: a URL's user:password@, and the value of
     every query and fragment parameter (`?X-Amz-Signature=***&X-Amz-Expires=***`). The same text again is unchanged."""
-    text = _CREDENTIALS.sub(lambda m: f"{m['scheme']}***@", str(text))
+    text = _CREDENTIALS.sub(_hide, str(text))
     return _QUERY.sub(lambda q: _PARAMETER.sub(lambda m: f"{m['key']}***", q[0]), text)
+
+
+def _hide(m: re.Match) -> str:
+    # In hf://datasets/org/set@v2 the '@' names a revision: what comes before it is a path, not a user and password
+    if m["scheme"].lower().startswith("hf:") and "/" in m["info"]:
+        return m[0]
+    return f"{m['scheme']}***@"
 
 
 def holds_secret(text: str) -> bool:
@@ -51,9 +56,11 @@ def holds_secret(text: str) -> bool:
 
 
 # A data set repository on the Hugging Face Hub, at a revision (a branch, tag or commit; a pull request's
-# refs/pr/N), and a folder in it
-HUB_URL = re.compile(r"hf://datasets/(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>refs/pr/\d+|[\w.-]+))?"
-                     r"(?P<path>(?:/[\w.-]+)*)/?")
+# refs/pr/N), and a folder in it. Names as the Hub allows them: letters, digits, '-', '_', '.', neither first nor
+# last a '-' or '.', no '--' or '..' (so no name is '.' or '..').
+_HUB_NAME = r"(?![\w.-]*(?:--|\.\.))[A-Za-z0-9_](?:[\w.-]*[A-Za-z0-9_])?"
+HUB_URL = re.compile(rf"hf://datasets/(?P<repo>{_HUB_NAME}/{_HUB_NAME})(?:@(?P<revision>refs/pr/\d+|"
+                     rf"(?!\.+(?:/|$))[\w.-]+))?(?P<path>(?:/[\w.-]+)*)/?")
 
 
 def check_url(url: str, what: str = "URL") -> str:

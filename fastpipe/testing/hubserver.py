@@ -54,6 +54,7 @@ class Hub:
         # cdn: the Hub's resolve sends each .tar to a signed URL on another server (as the real Hub sends LFS files to
         # its CDN), valid while `signature` is unchanged (change it: the URLs it gave expire)
         self.cdn, self.cdn_url, self.signature = cdn, "", "s1"
+        self.refuse_commits = False  # answer every commit 500 (a Hub failing after the work is done)
         self.repos: dict[str, Repo] = {}
         self.requests: list[Request] = []
 
@@ -182,6 +183,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _commit(self, repo: Repo, m) -> None:
         lines = self.rfile.read(int(self.headers.get("content-length") or 0)).splitlines()
+        if self.hub.refuse_commits:
+            self._json(500, {"error": "Internal Error"})
+            return
         title = ""
         with self.hub.lock:
             for item in map(json.loads, filter(None, lines)):

@@ -124,6 +124,10 @@ def resumed_config(saved: dict, given: dict, run: str) -> TrainConfig:
     names = {f.name for f in fields(TrainConfig)}
     base = {k: v for k, v in saved.items() if k in names}
     base.setdefault("normalize", "dataset")  # runs recorded before the setting normalised with the data set's
+    if given.get("normalize") == "pretrained" and base.get("pretrained"):  # the weights' own, as the run recorded
+        from fastpipe.train.models import pretrained_normalization
+
+        given = {**given, "normalize": pretrained_normalization(base["model"], base["pretrained"])}
     differ = {k: (base.get(k), v) for k, v in given.items() if k not in RESUMABLE_CHANGES and base.get(k) != v}
     if differ:
         what = ", ".join(f"--{k.replace('_', '-')} {new} (the run has {old})" for k, (old, new) in differ.items())

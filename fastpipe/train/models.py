@@ -135,9 +135,10 @@ def build_model(name: str, num_classes: int, image_size: int = 224, pretrained: 
                 checkpoint_activations: bool = False) -> nn.Module:
     """A torchvision classifier by name, or timm's (timm:NAME), with `num_classes` outputs."""
     if timmzoo.is_timm(name):
-        model = timmzoo.build(name, num_classes, image_size)
-        if pretrained:
-            load_pretrained(model, str(zoo.weights_file(name, pretrained)) if zoo.is_zoo(pretrained) else pretrained)
+        model = timmzoo.build(zoo.tagged(name, pretrained), num_classes, image_size,
+                              zoo.weights_file(name, pretrained) if zoo.is_zoo(pretrained) else None)
+        if pretrained and not zoo.is_zoo(pretrained):
+            load_pretrained(model, pretrained)
         if checkpoint_activations:
             timmzoo.checkpoint_deep_stages(model)
         return model

@@ -19,9 +19,11 @@ def is_timm(name: str) -> bool:
     return name.startswith(PREFIX)
 
 
-def build(name: str, num_classes: int, image_size: int) -> nn.Module:
+def build(name: str, num_classes: int, image_size: int, weights=None) -> nn.Module:
     """timm:NAME with `num_classes` outputs, for images of `image_size` (models with a fixed input size, such as
-    ViTs, are made for it)."""
+    ViTs, are made for it); with `weights` (the zoo's cached file for its pretrained tag), loaded by timm's own
+    loader, which adapts them as it does its downloads: the classifier left for the data set's classes, a ViT's
+    position embedding resampled to the image size."""
     timm = _timm()
     model_name = name[len(PREFIX) :]
     m = NAME.fullmatch(model_name)
@@ -33,10 +35,16 @@ def build(name: str, num_classes: int, image_size: int) -> nn.Module:
         tags = timm.list_pretrained(f"{m['arch']}.*")[:6]
         raise ConfigError(f"unknown pretrained tag in {name!r}: timm has " + (", ".join(PREFIX + t for t in tags)
                                                                                or f"no pretrained {m['arch']}"))
+    made = {"pretrained": weights is not None, "num_classes": num_classes,
+            **({"pretrained_cfg_overlay": {"file": str(weights)}} if weights is not None else {})}
     try:
-        return timm.create_model(model_name, pretrained=False, num_classes=num_classes, img_size=image_size)
+        model = timm.create_model(model_name, img_size=image_size, **made)
     except TypeError:  # a model of any input size takes no img_size
-        return timm.create_model(model_name, pretrained=False, num_classes=num_classes)
+        model = timm.create_model(model_name, **made)
+    if weights is not None:
+        print(f"--pretrained zoo: timm's {model.pretrained_cfg.get('hf_hub_id') or model_name} weights from {weights}, "
+              f"the classifier made for {num_classes} classes")
+    return model
 
 
 def checkpoint_deep_stages(model: nn.Module) -> list[str]:

@@ -31,6 +31,14 @@ def _tag(pretrained: str) -> str | None:
     return pretrained.split(":", 1)[1] or None if ":" in pretrained else None
 
 
+def tagged(model: str, pretrained: str | None) -> str:
+    """timm:ARCH.TAG for `--pretrained zoo:TAG` of a timm model (the tag's own config builds it), else `model`."""
+    tag = _tag(pretrained) if is_zoo(pretrained) else None
+    if not tag or not timmzoo.is_timm(model):
+        return model
+    return f"{model.split('.', 1)[0]}.{tag}"
+
+
 def weights_file(model: str, pretrained: str) -> Path:
     """The zoo's cached weights file for `model` and `--pretrained zoo[:TAG]`; ConfigError when not there."""
     if timmzoo.is_timm(model):
@@ -73,9 +81,14 @@ def _torchvision_weights(model: str, tag: str | None):
 def _timm_cfg(model: str, tag: str | None):
     timm = timmzoo._timm()
     name = model[len(timmzoo.PREFIX):]
+    if tag and "." in name and name.split(".", 1)[1] != tag:
+        raise ConfigError(f"--pretrained zoo:{tag} and --model {model} name two pretrained tags: give one")
     if tag:
         name = f"{name.split('.', 1)[0]}.{tag}"
-    cfg = timm.models.get_pretrained_cfg(name)
+    try:
+        cfg = timm.models.get_pretrained_cfg(name)
+    except RuntimeError:  # a known architecture, an unknown tag
+        cfg = None
     if cfg is None or not cfg.hf_hub_id:
         tags = timm.list_pretrained(f"{name.split('.', 1)[0]}.*")[:6]
         raise ConfigError(f"--pretrained zoo: timm has no pretrained weights {name!r} on the Hugging Face Hub"
@@ -100,4 +113,4 @@ def _timm_file(model: str, tag: str | None) -> Path:
                       f"cache (HF_HUB_CACHE) here, or give --pretrained FILE")
 
 
-__all__ = ["ZOO", "is_zoo", "mean_std", "weights_file"]
+__all__ = ["ZOO", "is_zoo", "mean_std", "tagged", "weights_file"]
