@@ -5,10 +5,11 @@ with a fixed latency added to every request (a store's time to first byte).
     python benchmarks/bench_adopt.py --latency 0.02 --json docs/results/adopt.json
 
 The shards are timm-style (.jpg, .cls, .json per sample), their photos noise-filled JPEGs of about the size of an
-ImageNet photo (500 x 375 at quality 90: ~150 KB; real photos compress better, which makes the header walk's share
+ImageNet photo (500 x 375 at quality 90: ~175 KB; real photos compress better, which makes the header walk's share
 of the bytes larger, not its number of requests). The walk makes one request per sample (its label, metadata and
 the next header come together), the shards walked AT_ONCE at a time; its time is about samples / AT_ONCE x latency
-plus the photos fetched for mean/std and the previews. Each variant runs `--rounds` times, alternated.
+plus the photos fetched for mean/std and the previews. Each variant runs `--rounds` times, alternated. The server
+runs in a process of its own.
 """
 
 from __future__ import annotations
@@ -61,27 +62,47 @@ def make_shards(folder: Path, shards: int, per_shard: int) -> list[Path]:
     return paths
 
 
-def main(args) -> dict:
-    from fastpipe.cli import main as cli
-    from fastpipe.store.remote import Remote
+def serve(folder: str, latency: float, ready) -> None:
+    """The Hub, in a process of its own (in this one, its Python would compete with the client's for the GIL)."""
     from fastpipe.testing.hubserver import Hub, serve_hub
 
+    hub = Hub(latency=latency)
+    hub.create("timm/bench-wds", {p.name: p.read_bytes() for p in sorted(Path(folder).glob("*.tar"))})
+    ready.put(serve_hub(hub)[1])
+    time.sleep(1e6)
+
+
+def requests(endpoint: str) -> list[dict]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{endpoint}/_requests") as r:
+        return json.loads(r.read())
+
+
+def main(args) -> dict:
+    import multiprocessing
+
+    from fastpipe.cli import main as cli
+    from fastpipe.store.remote import Remote
+
     base = Path(tempfile.mkdtemp(prefix="fp-adopt-"))
-    hub = Hub(latency=args.latency)
-    server, endpoint = serve_hub(hub)
+    paths = make_shards(base / "local", args.shards, args.per_shard)
+    ready = multiprocessing.get_context("spawn").Queue()
+    server = multiprocessing.get_context("spawn").Process(target=serve, args=(str(base / "local"), args.latency,
+                                                                               ready), daemon=True)
+    server.start()
+    endpoint = ready.get(timeout=120)
     os.environ.update(HF_ENDPOINT=endpoint, HF_HOME=str(base / "hf"), FASTPIPE_CACHE=str(base / "cache"))
     try:
-        paths = make_shards(base / "local", args.shards, args.per_shard)
         total = sum(p.stat().st_size for p in paths)
-        hub.create("timm/bench-wds", {p.name: p.read_bytes() for p in paths})
         urls = [f"hf://datasets/timm/bench-wds/{p.name}" for p in paths]
         runs = {"walk": [], "download": []}
         for r in range(args.rounds):
-            before, t = len(hub.requests), time.perf_counter()
+            before, t = len(requests(endpoint)), time.perf_counter()
             out = base / f"idx-{r}"
             assert cli(["index", *urls, "--out", str(out), "--stats-samples", str(args.stats_samples)]) == 0
             seconds = time.perf_counter() - t
-            reads = [q.sent for q in hub.requests[before:] if q.path.endswith(".tar")]
+            reads = [q["sent"] for q in requests(endpoint)[before:] if q["path"].endswith(".tar")]
             runs["walk"].append({"s": seconds, "requests": len(reads), "bytes": sum(reads)})
             t = time.perf_counter()
             Remote("hf://datasets/timm/bench-wds").get_many([(p.name, base / f"dl-{p.name}") for p in paths])
@@ -96,7 +117,7 @@ def main(args) -> dict:
                 "walk_requests_per_sample": med["walk"]["requests"] / samples,
                 "walk_seconds_per_1000_samples": 1000 * med["walk"]["s"] / samples}
     finally:
-        server.shutdown()
+        server.kill()
         shutil.rmtree(base, ignore_errors=True)
 
 
