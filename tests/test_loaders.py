@@ -24,9 +24,10 @@ from fastpipe.loaders.shards import ShardError
 
 REAL = ["torch", "nvjpeg", pytest.param("dali", marks=pytest.mark.dali)]
 KW = dict(batch_size=8, image_size=48, device="cpu")
-# The torch and nvjpeg backends' workers: processes, or threads of the training process (loaders/threads.py)
-MODES = [pytest.param(False, id="processes"), pytest.param(True, id="threads")]
-REAL_MODES = [("torch", False), ("torch", True), ("nvjpeg", False), ("nvjpeg", True),
+# The torch and nvjpeg backends' workers: processes, threads of the training process (loaders/threads.py), or those
+# threads in one helper process
+MODES = [pytest.param(False, id="processes"), pytest.param(True, id="threads"), pytest.param("helper", id="helper")]
+REAL_MODES = [("torch", False), ("torch", True), ("torch", "helper"), ("nvjpeg", False), ("nvjpeg", True),
               pytest.param("dali", None, marks=pytest.mark.dali)]
 
 
@@ -273,7 +274,7 @@ def corrupted(converted, tmp_path) -> tuple[Path, str]:
 
 
 WORKERS = [pytest.param(0, None, id="in-process"), pytest.param(2, False, id="processes"),
-           pytest.param(2, True, id="threads")]
+           pytest.param(2, True, id="threads"), pytest.param(2, "helper", id="helper")]
 
 
 @pytest.mark.parametrize("backend", ["torch", "nvjpeg"])
@@ -513,7 +514,9 @@ def test_uint8_batches_reuse_buffers_yet_stay_intact_while_held(converted, monke
     for _ in loader:  # dropped as they come: the pooled slots are reused
         pass
     pooled = [s for s in lent if s >= 0]
-    assert len(pooled) >= len(lent) - 2 and len(set(pooled)) <= 2 * (2 + 2) < len(pooled)
+    # the helper process learns that a batch was dropped a message later: it reuses most slots, not nearly all
+    assert len(pooled) >= (len(lent) - 2 if threads != "helper" else len(lent) // 2)
+    assert len(set(pooled)) <= 2 * (2 + 2) < len(pooled)
     with pytest.warns(DeprecationWarning, match="reuse_output"):
         make_loader(converted, "torch", reuse_output=True, **kw)
 

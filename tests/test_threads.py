@@ -3,6 +3,7 @@ default where the decoder releases the GIL, and no thread left running however a
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -288,12 +289,21 @@ def test_bench_builds_its_loaders_in_the_mode_asked(converted):
 
 
 def test_threads_in_a_helper_process_give_the_same_batches(converted):
-    """threads='helper': the thread pool in one helper process, its batches handed over through shared memory."""
+    """threads='helper': the thread pool in one helper process, its batches handed over through shared memory; the
+    same batches as the threads', and a run stopped in it resumes in threads where it stopped."""
     kw = {**KW, "seed": 7, "normalize": False, "with_keys": True, "num_workers": 2}
     helper, threads = make_loader(converted, threads="helper", **kw), make_loader(converted, threads=True, **kw)
     assert helper.describe()["workers_are"] == "threads in a helper process"
     for e in (0, 1):
         _same(_epoch(helper, e), _epoch(threads, e))
+    helper.set_epoch(2)  # stopped after 3 batches, resumed by worker threads
+    it = iter(helper)
+    first = [(x.clone(), y, [str(k) for k in keys]) for _, (x, y, keys) in zip(range(3), it)]
+    state = helper.state_dict()
+    it.close()
+    rest = make_loader(converted, threads=True, **kw)
+    rest.load_state_dict(state)
+    _same(first + [(x.clone(), y, [str(k) for k in keys]) for x, y, keys in rest], _epoch(threads, 2))
     helper.close()
 
 
@@ -328,3 +338,48 @@ def test_a_step_whose_python_never_pauses_moves_the_default_to_processes(convert
     _same(second, _epoch(make_loader(converted, threads=True, **kw), 1))
     said = capfd.readouterr().err
     assert ("worker processes from epoch 2 on" in said) == python_never_pauses, said
+
+
+def test_a_killed_helper_process_is_named_not_waited_for(converted):
+    """The helper process killed (the out-of-memory killer) mid-epoch: the loop gets an error naming it, at once."""
+    loader = make_loader(converted, "torch", batch_size=4, image_size=32, num_workers=2, threads="helper",
+                         device="cpu")
+    it = iter(loader)
+    next(it)
+    helper = loader.dataloader._iterator._workers[0]
+    os.kill(helper.pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match=rf"DataLoader worker \(pid\(s\) {helper.pid}\) exited unexpectedly"):
+        for _ in it:
+            pass
+    loader.close()
+
+
+HELPER_INTERRUPTED = """
+import os, signal, sys
+from fastpipe import make_loader
+loader = make_loader(sys.argv[1], "torch", batch_size=4, image_size=32, num_workers=2, threads="helper", device="cpu")
+it = iter(loader)
+next(it)
+print(loader.dataloader._iterator._workers[0].pid, flush=True)
+try:
+    os.kill(os.getpid(), signal.{sig})
+    for _ in it:
+        pass
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_or_sigterm_with_a_helper_process_leaves_nothing_behind(converted, sig):
+    """Ctrl-C or SIGTERM in the training process: it ends, and so does the helper process, its shared memory gone."""
+    before = set(os.listdir("/dev/shm"))
+    r = subprocess.run([sys.executable, "-c", HELPER_INTERRUPTED.replace("{sig}", sig), str(converted)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode in (130, -signal.SIGTERM, 128 + signal.SIGTERM), r.stderr[-2000:]
+    helper = int(r.stdout.split()[0])
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{helper}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{helper}")
+    assert set(os.listdir("/dev/shm")) - before == set()
