@@ -694,7 +694,7 @@ def test_a_timm_model_trains_predicts_and_exports_with_validations_answers(train
     run = train(TrainConfig(data=str(shards), out=str(tmp_path / "run"), **{**TRAIN, "model": "timm:resnet10t",
                                                                              "epochs": 1}))
     card = torch.load(run / "best.pt", weights_only=True)["inference"]
-    assert card["model"] == "timm:resnet10t"
+    assert card["model"] == "timm:resnet10t" and (card["zoo"], card["weights"]) == ("timm", "")
     assert main(["predict", str(run), str(src), "--out", str(tmp_path / "p.jsonl")]) == 0
     got = {r["path"]: dict(r["top_k"]) for r in read_rows(tmp_path / "p.jsonl")}
     want = validation_pass(shards, run)

@@ -119,3 +119,19 @@ def test_a_bad_tag_is_one_line_wherever_it_is_given(tmp_path, monkeypatch):
     for model, pretrained in (("timm:resnet10t", "zoo:nonesuch"), ("timm:resnet10t.c3_in1k", "zoo:a1_in1k")):
         with pytest.raises(ConfigError, match="resnet10t"):
             resolve(TrainConfig(data="x", model=model, pretrained=pretrained, device="cpu"), torch.device("cpu"))
+
+
+def test_a_run_from_the_zoos_weights_records_them_and_their_normalisation(converted, tmp_path, monkeypatch):
+    import torchvision
+
+    from fastpipe.train.config import TrainConfig
+    from fastpipe.train.session import train
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    (tmp_path / "torch" / "hub" / "checkpoints").mkdir(parents=True)
+    torch.save(torchvision.models.resnet18().state_dict(), tmp_path / "torch/hub/checkpoints/resnet18-f37072fd.pth")
+    run = train(TrainConfig(data=str(converted), out=str(tmp_path / "run"), model="resnet18", pretrained="zoo",
+                            epochs=1, batch_size=8, image_size=32, workers=0, device="cpu"))
+    card = torch.load(run / "best.pt", weights_only=True)["inference"]
+    assert (card["zoo"], card["weights"]) == ("torchvision", "ResNet18_Weights.IMAGENET1K_V1")
+    assert (tuple(card["mean"]), tuple(card["std"])) == IMAGENET_MEAN_STD

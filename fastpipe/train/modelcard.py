@@ -30,15 +30,17 @@ class CardError(DataError):
 
 
 def make(model: str, classes, task: str, image_size: int, mean, std, amp: str, convert: dict | None,
-         val_crop: float, cpu_decoder: str, thresholds=None, backend: str = "torch", decoder: str = "") -> dict:
+         val_crop: float, cpu_decoder: str, thresholds=None, backend: str = "torch", decoder: str = "",
+         weights: str = "") -> dict:
     """The card of a run's model. `convert`: the data set's conversion settings (None for shards indexed from
     another tool, whose images were used as they were). `backend`: the loader backend validation ran on, and
-    `decoder` the CPU decoder it resolved to (cpu_ops.active): other ones give other pixels."""
+    `decoder` the CPU decoder it resolved to (cpu_ops.active): other ones give other pixels. `weights`: what
+    training started from (the zoo's weights and tag, a file's name, or "" from scratch); `zoo`: whose model."""
     return {"format": FORMAT, "version": VERSION, "model": model, "classes": list(classes), "task": task,
             "image_size": int(image_size), "val_crop": float(val_crop), "cpu_decoder": cpu_decoder,
             "mean": [float(x) for x in mean], "std": [float(x) for x in std], "amp": amp, "convert": convert,
             "thresholds": None if thresholds is None else [float(t) for t in thresholds], "backend": backend,
-            "decoder": decoder}
+            "decoder": decoder, "zoo": "timm" if model.startswith("timm:") else "torchvision", "weights": weights}
 
 
 def convert_settings(settings: dict, foreign: bool) -> dict | None:
@@ -81,7 +83,9 @@ def check(card, where: str) -> dict:
              f"three numbers in {shown}")
     need(card.get("amp") in ("off", "fp16", "bf16"), "amp", "off, fp16 or bf16")
     need(card.get("backend", "torch") in BACKENDS, "backend", f"one of {BACKENDS}")
-    need(isinstance(card.get("decoder", ""), str) and len(card.get("decoder", "")) <= 300, "decoder", "text")
+    for f in ("decoder", "weights"):  # older cards have neither
+        need(isinstance(card.get(f, ""), str) and len(card.get(f, "")) <= 300, f, "text")
+    need(card.get("zoo", "torchvision") in ("torchvision", "timm"), "zoo", "torchvision or timm")
     _check_convert(card.get("convert"), need)
     t = card.get("thresholds")
     need(t is None or (isinstance(t, list) and len(t) == len(classes) and all(_number(x, 0, 1) for x in t)),

@@ -106,6 +106,16 @@ def load_pretrained(model: nn.Module, path: str) -> list[str]:
     return missing
 
 
+def pretrained_origin(model: str, pretrained: str | None) -> str:
+    """What a run started from, for its model card: the zoo's weights by name and tag, a file by its name (its
+    folder may be private), or "" from scratch."""
+    if not pretrained:
+        return ""
+    if zoo.is_zoo(pretrained):
+        return zoo.describe(model, pretrained)
+    return f"file {Path(pretrained).name}"
+
+
 def pretrained_normalization(model: str, pretrained: str) -> str:
     """`--normalize pretrained`: the chosen weights' own mean/std, as the setting's text (recorded in the run)."""
     if zoo.is_zoo(pretrained):

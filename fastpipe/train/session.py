@@ -26,7 +26,7 @@ from fastpipe.train.config import RESUMABLE_CHANGES, TrainConfig, image_size_for
 from fastpipe.train.distributed import distributed
 from fastpipe.train.errors import write_errors
 from fastpipe.train.loop import Dist, EpochProgress, Trainer, TrainingStopped, make_optimizer, make_schedule
-from fastpipe.train.models import build_model, pretrained_normalization
+from fastpipe.train.models import build_model, pretrained_normalization, pretrained_origin
 from fastpipe.train.runs import Run, RunError, default_run_dir
 from fastpipe.train.speed import disturbed, run_speed
 
@@ -205,7 +205,8 @@ def _card(cfg: TrainConfig, manifest, mean, std) -> dict:
     return modelcard.make(cfg.model, manifest.classes, manifest.task, image_size_for_epoch(cfg, cfg.epochs - 1),
                           mean, std, cfg.amp, modelcard.convert_settings(manifest.settings, manifest.foreign),
                           val.val_crop, val.cpu_decoder, backend=cfg.backend,
-                          decoder=cpu_ops.active(val.cpu_decoder) if cfg.backend == "torch" else "")
+                          decoder=cpu_ops.active(val.cpu_decoder) if cfg.backend == "torch" else "",
+                          weights=pretrained_origin(cfg.model, cfg.pretrained))
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,14 @@ def tagged(model: str, pretrained: str | None) -> str:
     return f"{model.split('.', 1)[0]}.{tag}"
 
 
+def describe(model: str, pretrained: str) -> str:
+    """The zoo's weights by name: timm's hub id with its tag (timm/resnet50.a1_in1k), torchvision's enum member
+    (ResNet50_Weights.IMAGENET1K_V2)."""
+    if timmzoo.is_timm(model):
+        return _timm_cfg(model, _tag(pretrained)).hf_hub_id
+    return str(_torchvision_weights(model, _tag(pretrained)))
+
+
 def weights_file(model: str, pretrained: str) -> Path:
     """The zoo's cached weights file for `model` and `--pretrained zoo[:TAG]`; ConfigError when not there."""
     if timmzoo.is_timm(model):
@@ -113,4 +121,4 @@ def _timm_file(model: str, tag: str | None) -> Path:
                       f"cache (HF_HUB_CACHE) here, or give --pretrained FILE")
 
 
-__all__ = ["ZOO", "is_zoo", "mean_std", "tagged", "weights_file"]
+__all__ = ["ZOO", "describe", "is_zoo", "mean_std", "tagged", "weights_file"]
