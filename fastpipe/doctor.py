@@ -251,7 +251,18 @@ def check_remote() -> list[Check]:
                     + " ".join({"s3": "s3fs", "gs": "gcsfs", "az": "adlfs", "http": "aiohttp",
                                        "hf": "'fastpipe[hf]'"}[p] for p in missing)
                     if missing else "")]
-    return checks + [_probe_endpoint(*e) for e in _endpoints()]
+    return checks + ([_hub_token()] if have.get("hf") else []) + [_probe_endpoint(*e) for e in _endpoints()]
+
+
+def _hub_token() -> Check:
+    """Where hf:// requests get their token from (never the token itself)."""
+    from huggingface_hub import get_token
+
+    source = ("HF_TOKEN" if os.environ.get("HF_TOKEN") else "the saved login (hf auth login)") if get_token() else ""
+    if not source:
+        return Check("OK", "hf:// token", "none: public repositories only",
+                     "to read private repositories or write (shard SRC hf://...): hf auth login, or set HF_TOKEN")
+    return Check("OK", "hf:// token", f"from {source}")
 
 
 def check_tensorboard() -> Check:
@@ -274,6 +285,8 @@ def _endpoints() -> list[tuple[str, str, str]]:
     parts = dict(p.split("=", 1) for p in os.environ.get("AZURE_STORAGE_CONNECTION_STRING", "").split(";") if "=" in p)
     if "BlobEndpoint" in parts:
         found.append(("AZURE_STORAGE_CONNECTION_STRING", parts["BlobEndpoint"], "az://"))
+    if os.environ.get("HF_ENDPOINT"):
+        found.append(("HF_ENDPOINT", os.environ["HF_ENDPOINT"], "hf://"))
     return found
 
 

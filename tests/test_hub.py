@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -282,3 +283,15 @@ def test_an_upload_that_fails_keeps_the_conversion_and_says_so(hub, tmp_path, mo
     hub.refuse_commits = False
     assert main(["shard", str(src), "hf://datasets/org/leafs", "--workers", "1"]) == 0
     assert len(real.commits) == 2 and "dataset.json" in real.files
+
+
+def test_doctor_says_where_the_hub_token_comes_from_never_what_it_is(hub, monkeypatch, capsys):
+    from fastpipe.doctor import run_doctor
+
+    run_doctor()
+    out = capsys.readouterr().out
+    assert "hf://" in out and "from HF_TOKEN" in out and TOKEN not in out
+    assert f"{os.environ['HF_ENDPOINT']} answers" in out
+    monkeypatch.delenv("HF_TOKEN")
+    run_doctor()
+    assert "none: public repositories only" in capsys.readouterr().out
