@@ -95,18 +95,19 @@ def _place(cfg: IndexConfig, out_url: str | None, storage_options: dict | None) 
 def _walk(remote: Remote, names: list[str], listed: dict, out: Path, keep: int, limit: int, found) -> tuple:
     """Each shard of a split walked by its headers (AT_ONCE at a time), checked as a local one is; its .idx
     written into `out`. Returns the split's scan and shard list."""
+    bar = tqdm(total=sum(listed[n][0] for n in names), desc="indexing", unit="B", unit_scale=True, leave=False)
+
     def headers(name: str):
         size, sha = listed[name]
-        fh = RangedFile(remote, name, size)
+        fh = RangedFile(remote, name, size, progress=bar.update)  # a shard's walk takes a while: bytes walked
         entries = index_tar(fh.name, fileobj=fh, size=size)
         if not entries:
             raise DataError(f"{fh.name} holds no samples (an empty or image-less tar): leave it out of the command")
         return name, fh, entries, sha or _streamed_sha256(remote, name, size)
 
     scan, infos, for_stats = _Scan(), [], []
-    with ThreadPoolExecutor(AT_ONCE) as pool:
-        for name, fh, entries, sha in tqdm(pool.map(headers, names), total=len(names), desc="indexing",
-                                           unit="shard", leave=False):
+    with ThreadPoolExecutor(AT_ONCE) as pool, bar:
+        for name, fh, entries, sha in pool.map(headers, names):
             for (key, _), (label, image) in zip(entries, scan_entries(fh.name, fh, entries, 0, scan, limit)):
                 found[label].append((name, image))
                 if len(for_stats) < keep and image[1] <= MAX_STATS_IMAGE:

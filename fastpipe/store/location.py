@@ -123,9 +123,10 @@ class RangedFile(io.RawIOBase):
     from where each read starts: `tarfile` walks a shard's member headers through it, and a sample's small members
     (.cls, .json) and the next header come with one request, while the images between are skipped."""
 
-    def __init__(self, remote, rel: str, size: int, ahead: int = 4 << 10):
+    def __init__(self, remote, rel: str, size: int, ahead: int = 4 << 10, progress=None):
         super().__init__()
         self.remote, self.rel, self.size, self.ahead = remote, rel, size, ahead
+        self.progress, self.reached = progress, 0  # progress(n): n more bytes of the object walked past
         self.name = remote.join(rel)
         self.pos, self.start, self.buf = 0, 0, b""
         # the small ranges fetched so far, by start (a label is read after the walk), and their starts in order
@@ -162,6 +163,9 @@ class RangedFile(io.RawIOBase):
             return self.starts[k], self.seen[self.starts[k]]
         end = min(self.size, self.pos + max(n, self.ahead))
         buf = self.remote.ranges([(self.rel, self.pos, end)])[0]
+        if self.progress is not None and end > self.reached:
+            self.progress(end - self.reached)
+            self.reached = end
         if len(buf) <= self.ahead and len(self.seen) * self.ahead < SEEN and self.pos not in self.seen:
             self.seen[self.pos] = buf
             bisect.insort(self.starts, self.pos)
