@@ -683,18 +683,19 @@ def test_an_export_never_writes_through_a_link_beside_its_file(trained, tmp_path
                                                           "other.txt"]
 
 
-def test_a_timm_model_trains_predicts_and_exports_with_validations_answers(trained, tmp_path):
+@pytest.mark.parametrize("model", ["timm:resnet10t", pytest.param("timm:test_vit", marks=pytest.mark.slow),
+                                   pytest.param("timm:convnext_atto", marks=pytest.mark.slow)])
+def test_a_timm_model_trains_predicts_and_exports_with_validations_answers(trained, tmp_path, model):
     """--model timm:NAME: the run's predictions on its val photos are its validation pass's, and the exported
-    graphs give the run's answers, as for torchvision's models."""
+    graphs give the run's answers, as for torchvision's models (a CNN, a ViT, a ConvNeXt)."""
     pytest.importorskip("timm")
     from fastpipe.train.config import TrainConfig
     from fastpipe.train.session import train
 
     src, shards, _ = trained
-    run = train(TrainConfig(data=str(shards), out=str(tmp_path / "run"), **{**TRAIN, "model": "timm:resnet10t",
-                                                                             "epochs": 1}))
+    run = train(TrainConfig(data=str(shards), out=str(tmp_path / "run"), **{**TRAIN, "model": model, "epochs": 1}))
     card = torch.load(run / "best.pt", weights_only=True)["inference"]
-    assert card["model"] == "timm:resnet10t" and (card["zoo"], card["weights"]) == ("timm", "")
+    assert card["model"] == model and (card["zoo"], card["weights"]) == ("timm", "")
     assert main(["predict", str(run), str(src), "--out", str(tmp_path / "p.jsonl")]) == 0
     got = {r["path"]: dict(r["top_k"]) for r in read_rows(tmp_path / "p.jsonl")}
     want = validation_pass(shards, run)

@@ -167,6 +167,28 @@ def test_resume_equals_an_uninterrupted_run(converted, tmp_path):
     assert [m["train_loss"] for m in ma] == pytest.approx([m["train_loss"] for m in mb], rel=1e-6)
 
 
+def test_a_timm_run_from_the_zoos_weights_resumes_as_an_uninterrupted_one(converted, tmp_path, monkeypatch):
+    """timm:NAME.TAG with --pretrained zoo (from the Hugging Face cache) and --normalize pretrained typed again on
+    resume: the same weights as a run never stopped."""
+    timm = pytest.importorskip("timm")
+    hub_constants = pytest.importorskip("huggingface_hub.constants")
+    from safetensors.torch import save_file
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    snap = tmp_path / "hf" / "models--timm--resnet10t.c3_in1k" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text("abc")
+    save_file(timm.create_model("resnet10t").state_dict(), str(snap / "model.safetensors"))
+    kw = dict(model="timm:resnet10t.c3_in1k", pretrained="zoo", normalize="pretrained", epochs=2)
+    straight = train(cfg(converted, tmp_path / "straight", **kw))
+    train(cfg(converted, tmp_path / "resumed", stop_after=1, **kw))
+    resumed = train(cfg(converted, tmp_path / "resumed", resume=True, **kw))
+    a = torch.load(straight / "last.pt", weights_only=False)["model"]
+    b = torch.load(resumed / "last.pt", weights_only=False)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_existing_run_folder_needs_resume(converted, tmp_path):
     train(cfg(converted, tmp_path / "r", epochs=1))
     with pytest.raises(ValueError, match="--resume"):
