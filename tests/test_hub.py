@@ -295,3 +295,13 @@ def test_doctor_says_where_the_hub_token_comes_from_never_what_it_is(hub, monkey
     monkeypatch.delenv("HF_TOKEN")
     run_doctor()
     assert "none: public repositories only" in capsys.readouterr().out
+
+
+def test_a_refused_read_says_what_the_hub_wants(hub, monkeypatch, capsys):
+    """A private or gated repository read without a token that may: one line naming the token and the terms."""
+    shard(ShardConfig(make_folder(Path(os.environ["HF_HOME"]) / "src", {"red": 4, "blue": 4}),
+                      "hf://datasets/org/leafs", **SETTINGS))
+    monkeypatch.setenv("HF_TOKEN", "hf_notTheRightOne")
+    assert main(["inspect", "hf://datasets/org/leafs"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "HF_TOKEN" in err and "hf_notTheRightOne" not in err, err

@@ -102,6 +102,10 @@ def _fs_class():
                     raise FileNotFoundError(path)
                 if r.status_code in (401, 403) and not remember:
                     raise PermissionError(r.status_code)
+                if r.status_code in (401, 403):
+                    raise HubError(f"hf://{path}: the Hub refuses it (HTTP {r.status_code}): a private or gated "
+                                   f"repository needs a token with access (HF_TOKEN, or hf auth login), and a gated "
+                                   f"one its terms accepted on its Hub page", r.status_code)
                 if r.status_code >= 400 or (start and r.status_code != 206):
                     raise HubError(f"hf://{path}: the Hub answers HTTP {r.status_code}"
                                    + (" to a byte range (it should be 206)" if r.status_code < 400 else ""),

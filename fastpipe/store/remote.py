@@ -334,7 +334,7 @@ class Remote:
         if isinstance(e, NotImplementedError):
             raise RemoteError(f"{url}: this store does not take writes through fsspec ({self.protocol}://)") from e
         if isinstance(e, FileNotFoundError):
-            raise RemoteError(f"{url} not found: check the URL, or that the upload finished") from e
+            raise RemoteError(f"{url} not found: check the URL, that the upload finished, or the credentials") from e
         if refused(e):
             raise RemoteError(f"{url}: access refused ({brief(e)}); check the credentials (storage_options or the "
                               f"AWS_/GOOGLE_/AZURE_ environment, HF_TOKEN)") from e
