@@ -305,3 +305,26 @@ def test_a_refused_read_says_what_the_hub_wants(hub, monkeypatch, capsys):
     assert main(["inspect", "hf://datasets/org/leafs"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "HF_TOKEN" in err and "hf_notTheRightOne" not in err, err
+
+
+def test_sharding_again_into_the_hub_is_checked_as_into_a_folder(hub, tmp_path, capsys):
+    """A set already on the Hub: the same conversion is up to date; another one needs --overwrite, and then
+    replaces it whole in one commit: the former shards it no longer has are deleted, and fastpipe's card rewritten."""
+    src = make_folder(tmp_path / "src", {"red": 10, "green": 8, "blue": 6}, size=(120, 90))
+    url = "hf://datasets/org/leafs"
+    assert main(["shard", str(src), url, "--short-side", "48", "--workers", "1"]) == 0
+    repo = hub.repos["org/leafs"]
+    first = set(repo.files)
+    assert main(["shard", str(src), url, "--short-side", "48", "--workers", "1"]) == 0  # up to date
+    assert set(repo.files) == first
+    capsys.readouterr()
+    assert main(["shard", str(src), url, "--short-side", "40", "--min-shards", "1", "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert url in err and "--short-side 40 (OUT has 48)" in err and "--overwrite" in err, err
+    commits = len(repo.commits)
+    assert main(["shard", str(src), url, "--short-side", "40", "--min-shards", "1", "--workers", "1",
+                 "--overwrite"]) == 0
+    assert len(repo.commits) == commits + 1
+    shards = sorted(p for p in repo.files if p.endswith(".tar"))
+    assert shards == ["train-000000.tar", "val-000000.tar"], shards  # none of the former set's left
+    assert "short side of 40 px" in repo.files["README.md"].decode()

@@ -725,7 +725,7 @@ def test_a_conversion_whose_machine_is_lost_resumes_on_another(tmp_path, s3_buck
     first = tmp_path / "machine-a" / "shards"
     # The machine is lost before its dataset.json lands, whatever the speed of this machine: that upload never ends
     # (a proxy holds it), and the kill waits for the event it needs, two shards mirrored into the bucket.
-    held = Faults(stall_every=1, stall=600, only="dataset.json")
+    held = Faults(stall_every=1, stall=600, only="PUT /leafs/lost/v1/dataset.json")  # its upload, not a look
     with FolderServer(None, held, proxy_to=endpoint) as proxy:
         proc = subprocess.Popen([sys.executable, "-m", "fastpipe", "shard", str(src), url, *args],
                                 env={**os.environ, "FASTPIPE_CACHE": str(first), "AWS_ENDPOINT_URL": proxy},

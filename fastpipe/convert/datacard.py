@@ -4,16 +4,18 @@ YAML header tells the Hub's viewer and `datasets.load_dataset` which shards form
 
 Written only for a set at the root of its repository (the Hub reads a card there only) whose shards are in it (not
 an index of someone else's shards, `index --out`), and only where the repository has no README.md: a card the owner
-wrote is theirs.
+wrote is theirs (a card fastpipe wrote ends with CARD_MARK, and is rewritten).
 """
 
 from __future__ import annotations
 
 import re
 
-from fastpipe.store.hub import parts
+from fastpipe.store.hub import endpoint, parts
 
 SPLIT_NAMES = {"train": "train", "val": "validation"}  # the names `datasets` and the Hub's viewer expect
+# The card's last line: a conversion rewrites a card that holds it; delete the line to keep your own edits
+CARD_MARK = "<!-- written by fastpipe from dataset.json: a conversion rewrites it; delete this line to keep edits -->"
 
 
 def card(manifest: dict, url: str) -> str | None:
@@ -29,7 +31,7 @@ def card(manifest: dict, url: str) -> str | None:
         header += [f"  - split: {SPLIT_NAMES.get(name, name)}", f'    path: "{prefix}{name}-*.tar"']
     header.append("---")
     return "\n".join([*header, "", *_contents(manifest, repo, splits), "", *_reading(url, repo, revision, prefix,
-                                                                                    splits)]) + "\n"
+                                                                                    splits), "", CARD_MARK]) + "\n"
 
 
 def _contents(manifest: dict, repo: str, splits: dict) -> list[str]:
@@ -65,7 +67,8 @@ def _reading(url: str, repo: str, revision: str | None, prefix: str, splits: dic
             "from fastpipe import make_loader", "",
             f'loader = make_loader("{url}", split="{first}", batch_size=64, image_size=224)', "```", "",
             "With webdataset:", "", "```python", "import webdataset as wds", "",
-            f'url = "https://huggingface.co/datasets/{repo}/resolve/{revision or "main"}/{prefix}{braces}"',
+            f'url = "{endpoint() or "https://huggingface.co"}/datasets/{repo}/resolve/{revision or "main"}/{prefix}'
+            f'{braces}"  # a private repository: add a header, Authorization: Bearer HF_TOKEN',
             'data = wds.WebDataset(url).decode("pil").to_tuple("jpg", "cls")', "```", "",
             "With Hugging Face `datasets`:", "", "```python", "from datasets import load_dataset", "",
             f'data = load_dataset("{repo}", split="{SPLIT_NAMES.get(first, first)}", streaming=True)', "```"]
@@ -79,4 +82,4 @@ def _three(values) -> str:
     return "(" + ", ".join(f"{float(v):.3f}" for v in values) + ")"
 
 
-__all__ = ["card"]
+__all__ = ["CARD_MARK", "card"]

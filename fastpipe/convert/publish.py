@@ -22,8 +22,10 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-from fastpipe.convert.datacard import card
+from fastpipe.convert import outputs
+from fastpipe.convert.datacard import CARD_MARK, card
 from fastpipe.convert.journal import journal_name, journal_shards
+from fastpipe.errors import ConfigError
 from fastpipe.store import hub
 from fastpipe.store.cache import default_cache_dir
 from fastpipe.store.cachefiles import private_folder
@@ -47,9 +49,16 @@ def shard_to_url(cfg, shard, storage_options: dict | None = None):
     name = journal_name(cfg.suffix)
     hub = remote.protocol == "hf"  # one commit at the end: no journal mirrored shard by shard into the history
     restored = {} if hub else _restore(staging, remote, name)
+    before = _published(staging, remote, f"dataset{cfg.suffix}.json", name)
     with contextlib.nullcontext(None) if hub else _Mirror(staging, remote, name, restored) as mirror:
-        summary = shard(replace(cfg, out=staging))
-    upload(staging, remote, skip=mirror.in_store() if mirror else set())
+        try:
+            summary = shard(replace(cfg, out=staging))
+        except ConfigError as e:  # the store's conversion is another one: said of the URL, not the staging folder
+            if before is not None:  # the staging folder held only the store's manifest: not a conversion to resume
+                shutil.rmtree(staging, ignore_errors=True)
+            raise type(e)(str(e).replace(str(staging), url)) from None
+    stale = _stale(before, staging / f"dataset{cfg.suffix}.json")
+    upload(staging, remote, skip=mirror.in_store() if mirror else set(), remove=stale)
     if not hub:
         remote.delete(name)
     shutil.rmtree(staging)
@@ -121,30 +130,54 @@ def _stamp(path: Path) -> tuple | None:
     return st.st_ino, st.st_mtime_ns, st.st_size
 
 
-def upload(folder: Path, remote: Remote, skip: set[str] = frozenset()) -> None:
+def _published(staging: Path, remote: Remote, manifest: str, journal: str):
+    """The conversion the store holds (its manifest, checked), copied into a fresh staging folder, where the
+    driver meets it as it meets a local OUT's: the same conversion is up to date, another one needs --overwrite.
+    None where the store holds none, or this node is resuming its own."""
+    if (staging / manifest).exists() or (staging / journal).exists() or not remote.exists(manifest):
+        return None
+    staging.mkdir(parents=True, exist_ok=True)
+    (staging / manifest).write_bytes(remote.cat(manifest))
+    return outputs.read_manifest(staging / manifest)[0]
+
+
+def _stale(before, manifest: Path) -> set[str]:
+    """Files of the store's former conversion that the new one does not have (its shards were cut otherwise):
+    removed with the upload, so that no reader (the Hub's viewer, a train-*.tar pattern) meets them."""
+    after = outputs.read_manifest(manifest)[0] if before is not None else None
+    if after is None:
+        return set()
+    names = {p.relative_to(before.root).as_posix() for p in outputs.manifest_files(before)}
+    return names - {p.relative_to(after.root).as_posix() for p in outputs.manifest_files(after)}
+
+
+def upload(folder: Path, remote: Remote, skip: set[str] = frozenset(), remove: set[str] = frozenset()) -> None:
     """Every file fastpipe wrote in `folder` (not its lock or journal, nor those in `skip`), the manifest
-    (dataset.json, or a part's dataset.part-*.json) last."""
+    (dataset.json, or a part's dataset.part-*.json) last; then the store's files in `remove` are deleted."""
     files = [p for p in sorted(folder.rglob("*")) if p.is_file() and p.relative_to(folder).as_posix() not in skip
              and not any(part.startswith(".") for part in p.relative_to(folder).parts)]
     if remote.protocol == "hf":
-        return _commit(folder, remote, files)
+        return _commit(folder, remote, files, remove)
     last = [p for p in files if p.parent == folder and p.name.startswith("dataset") and p.suffix == ".json"]
     remote.put_many([(p, p.relative_to(folder).as_posix()) for p in files if p not in last])
     remote.put_many([(p, p.name) for p in last])
+    for rel in sorted(remove):
+        remote.delete(rel)
 
 
-def _commit(folder: Path, remote: Remote, files: list[Path]) -> None:
-    """A Hub repository gets the files in one commit, and a data card (datacard.py says where) where it has no
-    README.md."""
+def _commit(folder: Path, remote: Remote, files: list[Path], remove: set[str]) -> None:
+    """A Hub repository gets the files in one commit (the files in `remove` deleted in it), and a data card
+    (datacard.py says where) where it has no README.md, or has the one fastpipe wrote."""
     rels = [(p, p.relative_to(folder).as_posix()) for p in files]
     manifest = folder / "dataset.json"
     text = card(parse_json(manifest.read_bytes()), remote.url) if manifest.is_file() else None
-    if text and not remote.exists("README.md"):
+    if text and (not remote.exists("README.md") or CARD_MARK in remote.cat("README.md").decode("utf-8", "replace")):
         card_file = folder / ".fastpipe-card.md"
         card_file.write_text(text)
         rels.append((card_file, "README.md"))
     what = "a converted data set" if manifest.is_file() else "a part of a converted data set"
-    hub.commit(remote.url, rels, f"fastpipe: {what} ({len(files)} files)", remote.options, remote._retry, folder)
+    hub.commit(remote.url, rels, f"fastpipe: {what} ({len(files)} files)", remote.options, remote._retry, folder,
+               remove=sorted(remove))
 
 
 __all__ = ["shard_to_url", "staging_folder", "upload"]

@@ -144,13 +144,16 @@ def check_writable(url: str, options: dict, retry) -> None:
         raise DataError(f"cannot write to {url} (nothing was converted yet): {e}") from None
 
 
-def commit(url: str, files: list[tuple[Path, str]], message: str, options: dict, retry, staging: Path) -> str:
-    """Every (local file, path relative to the URL's folder) in one commit; returns the commit's id. A failure
-    says that the converted files are kept in `staging` for the same command to upload again."""
+def commit(url: str, files: list[tuple[Path, str]], message: str, options: dict, retry, staging: Path,
+           remove: list[str] = ()) -> str:
+    """Every (local file, path relative to the URL's folder) in one commit, and the paths in `remove` deleted in
+    it; returns the commit's id. A failure says that the converted files are kept in `staging` for the same
+    command to upload again."""
     hub = _hub()
     repo, revision, folder = parts(url)
     ops = [hub.CommitOperationAdd(path_in_repo="/".join(filter(None, [folder, rel])), path_or_fileobj=str(local))
            for local, rel in files]
+    ops += [hub.CommitOperationDelete(path_in_repo="/".join(filter(None, [folder, rel]))) for rel in remove]
     api = hub.HfApi(endpoint=endpoint(), token=options.get("token"))
     try:
         info = retry(lambda: api.create_commit(repo, ops, commit_message=message, repo_type="dataset",
