@@ -236,12 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "RGB JPEGs with dataset.json, .idx files, previews and rejected.jsonl. Rerunning "
                             "resumes; other settings need --overwrite.")
     p = sub.add_parser("merge", help="merge the manifests of a --parts conversion")
-    p.add_argument("out", help="the folder or store URL (s3://bucket/prefix) the parts were written to")
+    p.add_argument("out", help="the folder or store URL (s3://bucket/prefix, hf://...) the parts were written to")
     p.set_defaults(func=_cmd_merge, interrupt_hint=again)
     _configured(sub, "index", IndexConfig, _cmd_index, again,
                 help="dataset.json and .idx files for shards written by other tools (--idx-only: the .idx only)")
     p = sub.add_parser("inspect", help="summary of a converted data set; --verify, --repair")
-    p.add_argument("out")
+    p.add_argument("out", help="a converted data set: its folder or URL (s3://..., hf://datasets/ORG/NAME, ...)")
     p.add_argument("--verify", action="store_true", help="check checksums and decode every sample")
     p.add_argument("--repair", action="store_true", help="with --verify's findings: leave undecodable samples out "
                    "of the .idx files (what DALI needs; the shards are not touched); of a URL, the new files are "

@@ -258,6 +258,9 @@ def _hub_token() -> Check:
     """Where hf:// requests get their token from (never the token itself)."""
     from huggingface_hub import get_token
 
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return Check("WARN", "hf:// token", "HF_HUB_OFFLINE is set: nothing is read from the Hub",
+                     "unset HF_HUB_OFFLINE for commands that read hf:// data sets")
     source = ("HF_TOKEN" if os.environ.get("HF_TOKEN") else "the saved login (hf auth login)") if get_token() else ""
     if not source:
         return Check("OK", "hf:// token", "none: public repositories only",

@@ -328,3 +328,19 @@ def test_sharding_again_into_the_hub_is_checked_as_into_a_folder(hub, tmp_path, 
     shards = sorted(p for p in repo.files if p.endswith(".tar"))
     assert shards == ["train-000000.tar", "val-000000.tar"], shards  # none of the former set's left
     assert "short side of 40 px" in repo.files["README.md"].decode()
+
+
+def test_offline_mode_is_said_at_once_not_retried(hub, monkeypatch, capsys):
+    """HF_HUB_OFFLINE set (as some clusters do): one line, without the retries a passing fault gets; doctor warns."""
+    import huggingface_hub.constants
+
+    from fastpipe.doctor import run_doctor
+
+    monkeypatch.setenv("FASTPIPE_REMOTE_ATTEMPTS", "6")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["inspect", "hf://datasets/org/leafs"]) == 2
+    err = capsys.readouterr().err
+    assert "offline" in err.lower() and "after 6 attempts" not in err, err
+    run_doctor()
+    assert "HF_HUB_OFFLINE is set" in capsys.readouterr().out

@@ -54,11 +54,17 @@ def test_timm_weights_come_from_the_hugging_face_cache(tmp_path, monkeypatch):
     _same_but_head(build_model("timm:resnet10t", 3, 32, pretrained="zoo"), state, "fc")  # timm's default tag
 
 
-def test_pretrained_normalisation_is_the_weights_own():
+def test_pretrained_normalisation_is_the_weights_own(tmp_path, monkeypatch):
     pytest.importorskip("timm")
-    assert pretrained_normalization("timm:vit_base_patch16_224.augreg_in21k", "zoo") == \
+    hub_constants = pytest.importorskip("huggingface_hub.constants")
+    from fastpipe.train import zoo
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    assert normalize_text(*zoo.mean_std("timm:vit_base_patch16_224.augreg_in21k", "zoo")) == \
         "0.5,0.5,0.5:0.5,0.5,0.5"  # timm's ViT weights: not ImageNet's mean/std
-    assert pretrained_normalization("timm:resnet10t.c3_in1k", "zoo") == normalize_text(*IMAGENET_MEAN_STD)
+    assert normalize_text(*zoo.mean_std("timm:resnet10t.c3_in1k", "zoo")) == normalize_text(*IMAGENET_MEAN_STD)
+    with pytest.raises(ConfigError, match="not in this machine's Hugging Face cache"):  # said before any run starts
+        pretrained_normalization("timm:resnet10t.c3_in1k", "zoo")
 
 
 def test_a_safetensors_file_loads_as_a_pth_does(tmp_path):

@@ -24,7 +24,8 @@ CPU_BUDGET = 300.0  # seconds for a whole bench on a CPU unless --max-seconds sa
 
 @dataclass(frozen=True)
 class BenchConfig:
-    data: str = opt(None, "converter output folder, or its URL (s3://, gs://, az://, http(s)://)", positional=True)
+    data: str = opt(None, "converter output folder, or its URL (s3://, gs://, az://, http(s)://, hf://datasets/...)",
+                    positional=True)
     model: str = opt("resnet18", "torchvision model name, or timm:NAME")
     backend: str = opt("torch", "loader backend: " + ", ".join(BACKEND_NAMES), sweep=True, choices=BACKEND_NAMES)
     device: str | None = opt(None, "cuda, cpu (default: cuda when available)")
@@ -47,7 +48,7 @@ class BenchConfig:
     windows: int = opt(3, "timing windows per measurement (the median is reported); fewer, longer ones when few "
                           "steps fit in --max-seconds", low=1, high=100)
     warmup: int = opt(3, "untimed steps before each measurement", low=0, high=10_000)
-    cache_dir: str | None = opt(None, "remote data (s3://, gs://, az://, http(s)://): this node's shard cache "
+    cache_dir: str | None = opt(None, "remote data (s3://, gs://, az://, http(s)://, hf://): this node's shard cache "
                                       "(default ~/.cache/fastpipe/shards or $FASTPIPE_CACHE)")
     cache_limit: str | None = opt(None, "remote data: keep the shard cache under this size, e.g. 50GB "
                                         "(least recently used shards go first; default: no limit)")

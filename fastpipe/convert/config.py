@@ -27,8 +27,10 @@ class ConvertError(ConfigError):
 @dataclass(frozen=True)
 class ShardConfig:
     src: Path | str = opt(None, "folder of class folders (optionally train/ and val/), a CSV/TXT list, or either in "
-                                "a store (s3://bucket/photos, gs://, az://; https://.../list.csv)", positional=True)
-    out: Path = opt(None, "output folder, or a URL to upload to (s3://bucket/prefix, gs://, az://)", positional=True)
+                                "a store (s3://bucket/photos, gs://, az://, hf://datasets/ORG/NAME/photos; "
+                                "https://.../list.csv)", positional=True)
+    out: Path = opt(None, "output folder, or a URL to upload to (s3://bucket/prefix, gs://, az://, "
+                          "hf://datasets/ORG/NAME: one commit)", positional=True)
     short_side: int = opt(320, "stored shorter side in pixels, never upscaled", low=8, high=65535)
     quality: int = opt(90, "JPEG quality of the stored images", low=1, high=100)
     val_fraction: float = opt(0.1, "stratified validation share (ignored when SRC has train/ and val/ folders)",

@@ -56,7 +56,8 @@ VAL_NAME = re.compile(r"(^|[-_.])(val|valid|validation)([-_.]|$)", re.IGNORECASE
 class IndexConfig:
     train: list[Path] = opt(None, "shard files (train; validation shards with --val, or named val-*)",
                             positional=True, nargs="+", flag="SHARDS")
-    out: Path | None = opt(None, "folder for dataset.json, holding the shards (default: the shards' folder)")
+    out: Path | None = opt(None, "where dataset.json and the .idx files go (default: the shards' folder); for "
+                                 "shards in a store, a folder or another store's URL: the shards stay where they are")
     val: list[Path] = opt([], "validation shard files", nargs="*")
     classes_file: str | None = opt(None, "text file of class names, one per line, in label order", flag="--classes")
     stats_samples: int = opt(2000, "train images decoded for mean/std", low=1, high=10_000_000)

@@ -37,7 +37,7 @@ def make_loader_from(manifest: Manifest, cfg: LoaderConfig, backend: str | None 
 
 def make_loader(out: str | os.PathLike, backend: str = "torch", *, storage_options: dict | None = None,
                 cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None, **settings):
-    """A loader over a converter output folder, or its URL in object storage (s3://, gs://, http(s)://...; read
+    """A loader over a converter output folder, or its URL in object storage (s3://, gs://, http(s)://, hf://...; read
     through a node-local cache in `cache_dir`, kept under `cache_limit`, e.g. "50GB"; `storage_options` are
     fsspec's, held in memory only). Settings are LoaderConfig's fields (see config.py)."""
     valid = {f.name for f in fields(LoaderConfig)}

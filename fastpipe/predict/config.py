@@ -30,7 +30,8 @@ class PredictConfig:
     model: str = opt(None, "a run folder (runs/NAME), or a model exported with `fastpipe export` (.onnx, .pt2)",
                      positional=True, flag="MODEL", parse=_model_path)
     src: list = opt([], "photos: a folder (class folders give labels), a path[,label] list, photo files, or a "
-                        "store URL (s3://bucket/photos)", positional=True, flag="SRC", nargs="+")
+                        "store URL (s3://bucket/photos, hf://datasets/ORG/NAME/photos)", positional=True, flag="SRC",
+                    nargs="+")
     out: str = opt("predictions.csv", "where the predictions go (the report and pictures beside it when SRC has "
                                       "labels)")
     format: str | None = opt(None, "csv or jsonl (default: from --out's extension, else csv)", choices=FORMATS)

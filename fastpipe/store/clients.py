@@ -35,6 +35,9 @@ GCSFS_RETRYING = ("_request", "_get_file_request", "_get_file_concurrent")  # gc
 STORE_VARIABLES = ("AWS_", "AZURE_", "GOOGLE_", "GCSFS_", "STORAGE_EMULATOR_HOST", "HF_")  # what the clients read
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}  # 409 is S3's "operation aborted, try again"
 MAX_REDIRECTS = 5  # hops an http(s) request may take, each within its origin
+# Errors of a client's own making, which no retry changes: huggingface_hub's offline mode (HF_HUB_OFFLINE), an HTTP
+# request the client itself finds malformed (an empty token's header), an unsupported scheme
+NEVER_AGAIN = {"OfflineModeIsEnabled", "LocalProtocolError", "UnsupportedProtocol", "InvalidURL"}
 
 
 def store_environment() -> dict[str, str]:
@@ -186,6 +189,8 @@ def transient(e: BaseException) -> bool:
     if status is not None:
         return status in RETRY_STATUS
     if refused(e) or isinstance(e, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
+        return False
+    if type(e).__name__ in NEVER_AGAIN:  # the same request would meet the same refusal
         return False
     if isinstance(e, (TimeoutError, asyncio.TimeoutError, ConnectionError, OSError)):
         return True

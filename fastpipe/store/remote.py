@@ -17,7 +17,6 @@ import asyncio
 import copy
 import os
 import random
-import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -25,9 +24,12 @@ from concurrent.futures import ThreadPoolExecutor
 from fastpipe.errors import ConfigError, DataError
 from fastpipe.store import hub
 from fastpipe.store.clients import ObjectTooLarge, brief, cat_bounded, open_fs, refused, store_environment, transient
+from fastpipe.store.counters import Counters
 from fastpipe.store.urls import URL_RE, check_relative, check_url, redact
 
 SMALL_OBJECT = 64 << 20  # bytes: the most a whole-object read (dataset.json, a .idx, rejected.jsonl) may return
+CREDENTIALS = {"": "storage_options or the AWS_/GOOGLE_/AZURE_ environment",
+               "hf": "HF_TOKEN or hf auth login; a gated repository's terms accepted on the Hub"}
 
 
 # The filesystem clients made in this process, by id: fsspec clients of one URL compare equal, so a WeakSet
@@ -64,38 +66,6 @@ class RemoteError(DataError):
     """An object that is missing, refused, or still failing after the retries."""
 
 
-class Counters:
-    """Requests, bytes and retries of this process since the last `take()` (a worker ships them with a batch).
-    A forked worker starts from zero: its parent's counts are the parent's to report."""
-
-    def __init__(self):
-        self.lock, self.pid = threading.Lock(), os.getpid()
-        self.requests = self.bytes = self.retries = 0
-
-    def __getstate__(self):  # a new process counts from zero
-        return {}
-
-    def __setstate__(self, state):
-        self.__init__()
-
-    def _mine(self) -> None:
-        self.pid != os.getpid() and self.__init__()
-
-    def add(self, requests: int = 0, nbytes: int = 0, retries: int = 0) -> None:
-        self._mine()
-        with self.lock:
-            self.requests += requests
-            self.bytes += nbytes
-            self.retries += retries
-
-    def take(self) -> tuple[int, int, int]:
-        self._mine()
-        with self.lock:
-            out = (self.requests, self.bytes, self.retries)
-            self.requests = self.bytes = self.retries = 0
-        return out
-
-
 class Remote:
     """A data set's folder in a store: `url` plus the options to reach it; one filesystem client per process."""
 
@@ -125,6 +95,7 @@ class Remote:
 
     def __getstate__(self):
         return {**self.__dict__, "_local": None}
+
     @property
     def protocol(self) -> str:
         return self.url.split("://", 1)[0].lower()
@@ -336,8 +307,8 @@ class Remote:
         if isinstance(e, FileNotFoundError):
             raise RemoteError(f"{url} not found: check the URL, that the upload finished, or the credentials") from e
         if refused(e):
-            raise RemoteError(f"{url}: access refused ({brief(e)}); check the credentials (storage_options or the "
-                              f"AWS_/GOOGLE_/AZURE_ environment, HF_TOKEN)") from e
+            raise RemoteError(f"{url}: access refused ({brief(e)}); check the credentials "
+                              f"({CREDENTIALS.get(self.protocol, CREDENTIALS[''])})") from e
         if not transient(e) or attempt == self.attempts:
             kind = f"still failing after {attempt} attempts" if transient(e) else "failed"
             raise RemoteError(f"reading {where} {kind}: {type(e).__name__}: {brief(e)}") from e

@@ -29,7 +29,8 @@ RESUMABLE_CHANGES = {"epochs", "stop_after", "workers", "threads", "resume", "ou
 @dataclass(frozen=True)
 class TrainConfig:
     data: str = opt(None, "converter output folder (dataset.json inside), or its URL (s3://, gs://, az://, "
-                          "http(s)://; credentials from the store's usual environment)", positional=True)
+                          "http(s)://, hf://datasets/ORG/NAME; credentials from the store's usual environment)",
+                    positional=True)
     model: str = opt("resnet18", "torchvision model name (resnet18/50, mobilenet_v3_large, efficientnet_b0, "
                                  "convnext_tiny, vit_b_16, ...), or timm:NAME for any timm model (timm:resnet10t)")
     backend: str = opt("torch", "loader backend", choices=BACKEND_NAMES)
@@ -70,7 +71,7 @@ class TrainConfig:
                                   low=1)
     checkpoint_every: int | None = opt(None, "also save last.pt every N optimizer steps (mid-epoch; SIGTERM and "
                                              "Ctrl-C always save one)", low=1)
-    cache_dir: str | None = opt(None, "remote data (s3://, gs://, az://, http(s)://): this node's shard cache "
+    cache_dir: str | None = opt(None, "remote data (s3://, gs://, az://, http(s)://, hf://): this node's shard cache "
                                       "(default ~/.cache/fastpipe/shards or $FASTPIPE_CACHE)")
     cache_limit: str | None = opt(None, "remote data: keep the shard cache under this size, e.g. 50GB "
                                         "(least recently used shards go first; default: no limit)")
@@ -110,7 +111,10 @@ def train_normalize(value) -> str | None:
     """A normalisation that training can use, in its one form (None: chosen when the run starts)."""
     if value is None or value == "pretrained":  # the weights' own: known when the run starts (session.resolve)
         return value
-    value = parse_normalize(value)
+    try:
+        value = parse_normalize(value)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (or, for training, pretrained: the weights' own)") from None
     if value is False:
         raise ConfigError("--normalize False: uint8 images are for make_loader only; training takes "
                           f"{NORMALIZE_FORMS}")

@@ -116,9 +116,18 @@ def pretrained_origin(model: str, pretrained: str | None) -> str:
     return f"file {Path(pretrained).name}"
 
 
+def weights_said(cfg) -> str:
+    """The weights a run's inputs are normalised for, as its first line names them."""
+    if zoo.is_zoo(cfg.pretrained):
+        return pretrained_origin(cfg.model, cfg.pretrained)
+    return "imagenet" if cfg.normalize == "imagenet" else f"as recorded in {Path(cfg.pretrained).name}"
+
+
 def pretrained_normalization(model: str, pretrained: str) -> str:
-    """`--normalize pretrained`: the chosen weights' own mean/std, as the setting's text (recorded in the run)."""
+    """`--normalize pretrained`: the chosen weights' own mean/std, as the setting's text (recorded in the run). The
+    zoo's weights are looked for now, before anything is said of them."""
     if zoo.is_zoo(pretrained):
+        zoo.weights_file(model, pretrained)
         return normalize_text(*zoo.mean_std(model, pretrained))
     return weights_normalization(pretrained)
 

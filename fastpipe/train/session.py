@@ -26,7 +26,7 @@ from fastpipe.train.config import RESUMABLE_CHANGES, TrainConfig, image_size_for
 from fastpipe.train.distributed import distributed
 from fastpipe.train.errors import write_errors
 from fastpipe.train.loop import Dist, EpochProgress, Trainer, TrainingStopped, make_optimizer, make_schedule
-from fastpipe.train.models import build_model, pretrained_normalization, pretrained_origin
+from fastpipe.train.models import build_model, pretrained_normalization, pretrained_origin, weights_said
 from fastpipe.train.runs import Run, RunError, default_run_dir
 from fastpipe.train.speed import disturbed, run_speed
 
@@ -145,7 +145,7 @@ def _train(cfg: TrainConfig, manifest, d: Dist, device: torch.device) -> Path:
     cfg = resolve(cfg, device)
     mean, std = normalization(cfg.normalize, manifest.mean, manifest.std)
     if chosen and cfg.pretrained and d.main:
-        print(f"--pretrained: inputs normalised as the weights were trained ({cfg.normalize}: mean "
+        print(f"--pretrained: inputs normalised as the weights were trained ({weights_said(cfg)}: mean "
               f"{', '.join(f'{x:.3f}' for x in mean)}, std {', '.join(f'{x:.3f}' for x in std)}); "
               f"--normalize dataset uses the data set's own")
     run = Run(Path(cfg.out))

@@ -82,8 +82,8 @@ def _torchvision_weights(model: str, tag: str | None):
     try:
         return enum.DEFAULT if tag is None else enum[tag]
     except KeyError:
-        raise ConfigError(f"--pretrained zoo:{tag}: {model} has the weights {', '.join(w.name for w in enum)}"
-                          ) from None
+        raise ConfigError(f"--pretrained zoo:{tag}: torchvision has no weights {tag!r} for {model}; it has "
+                          f"{', '.join(w.name for w in enum)}") from None
 
 
 def _timm_cfg(model: str, tag: str | None):
@@ -99,7 +99,7 @@ def _timm_cfg(model: str, tag: str | None):
         cfg = None
     if cfg is None or not cfg.hf_hub_id:
         tags = timm.list_pretrained(f"{name.split('.', 1)[0]}.*")[:6]
-        raise ConfigError(f"--pretrained zoo: timm has no pretrained weights {name!r} on the Hugging Face Hub"
+        raise ConfigError(f"--pretrained zoo{':' + tag if tag else ''}: timm knows no pretrained weights {name!r}"
                           + (f"; it has {', '.join(tags)}" if tags else ""))
     return cfg
 
@@ -115,10 +115,13 @@ def _timm_file(model: str, tag: str | None) -> Path:
         found = try_to_load_from_cache(cfg.hf_hub_id, filename)
         if isinstance(found, str):
             return Path(found)
+    from huggingface_hub.constants import HF_HUB_CACHE
+
     raise ConfigError(f"--pretrained zoo: timm's weights {cfg.hf_hub_id} are not in this machine's Hugging Face "
-                      f"cache; fastpipe never downloads weights: on a machine with a network run `python -c \"import "
-                      f"timm; timm.create_model('{cfg.hf_hub_id.split('/', 1)[1]}', pretrained=True)\"` and copy the "
-                      f"cache (HF_HUB_CACHE) here, or give --pretrained FILE")
+                      f"cache ({HF_HUB_CACHE}); fastpipe never downloads weights: on a machine with a network run "
+                      f"`python -c \"import timm; timm.create_model('{cfg.hf_hub_id.split('/', 1)[1]}', "
+                      f"pretrained=True)\"` and copy its cache folder's models--{cfg.hf_hub_id.replace('/', '--')} "
+                      f"into {HF_HUB_CACHE}, or give --pretrained FILE")
 
 
 __all__ = ["ZOO", "describe", "is_zoo", "mean_std", "tagged", "weights_file"]
