@@ -14,6 +14,7 @@ apart. Any iterable can be watched (a torch DataLoader, a webdataset pipeline): 
 
 from __future__ import annotations
 
+import collections
 import math
 import sys
 import time
@@ -53,6 +54,7 @@ class Watch:
         self._stages: dict[str, float] = {}  # finished iterations' loader stages
         self._stage_images, self._live = 0, []  # ... and the loader.stats of iterations under way
         self._memory_every = 1  # steps between memory samples (more when reading the count is slow)
+        self._costs: collections.deque = collections.deque(maxlen=8)  # seconds of the last reads of the count
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def __iter__(self):
@@ -161,9 +163,11 @@ class Watch:
             return torch.cuda.memory_allocated(self._cuda)
         start = time.perf_counter()
         used = process_memory()
-        cost, cycle = time.perf_counter() - start, (self.steady[0] + self.steady[1]) / max(self.steady[2], 1)
-        if cost > 1e-4 and cycle > 0:  # glibc walks its free chunks, slow in a heap of many: at most 2 % of a step
-            self._memory_every = max(1, min(256, math.ceil(cost / (0.02 * cycle))))
+        self._costs.append(time.perf_counter() - start)
+        cycle = (self.steady[0] + self.steady[1]) / max(self.steady[2], 1)
+        if cycle > 0:  # glibc walks its free chunks, slow in a heap of many: at most 2 % of a step. The least of the
+            # recent reads is the cost: one the scheduler preempted on a busy machine would stretch the gap for good
+            self._memory_every = max(1, min(256, math.ceil(min(self._costs) / (0.02 * cycle))))
         return used
 
     def _mark(self, end: bool = False) -> None:
