@@ -97,7 +97,8 @@ def test_a_conversion_on_ray_is_the_bytes_of_one_machine(cluster, data, tmp_path
     src, kw, reference = data
     summary = shard(ShardConfig(src, tmp_path / "out", ray_address=cluster.address, **kw))
     same_as_reference(tmp_path / "out", reference)
-    assert "on 2 of 2 nodes" in ray_note(summary), summary.notes
+    # the tasks are SPREAD, a preference to Ray: a node slow to start its worker on a busy machine may get none
+    assert re.search(r"\d+ tasks on [12] of 2 nodes", ray_note(summary)), summary.notes
 
 
 def test_from_a_bucket_into_a_bucket_on_ray(cluster, data, tmp_path, monkeypatch, capsys):
@@ -111,7 +112,7 @@ def test_from_a_bucket_into_a_bucket_on_ray(cluster, data, tmp_path, monkeypatch
              str(kw["max_pixels"]), "--max-file-size", f"{kw['max_file_size']}B"]
     url = "s3://leafs/ray/sets/v1"
     assert main(["shard", "s3://leafs/ray/photos", url, "--ray-address", cluster.address, *flags]) == 0
-    assert re.search(r"converted on Ray \(cluster at .*\): \d+ tasks on 2 of 2 nodes", capsys.readouterr().out)
+    assert re.search(r"converted on Ray \(cluster at .*\): \d+ tasks on [12] of 2 nodes", capsys.readouterr().out)
     store = Remote(url)
     store.get_many([(rel, _local(tmp_path / "out" / rel)) for rel, _ in store.listing()])
     same_as_reference(tmp_path / "out", reference)
