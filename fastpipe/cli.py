@@ -62,23 +62,23 @@ def _cmd_merge(a) -> int:
 
 def _cmd_index(a) -> int:
     from fastpipe.convert.foreign import IndexConfig, index_only, index_shards
-    from fastpipe.store.remote import is_url
+    from fastpipe.store.location import in_stores
 
     cfg = config_from(a, IndexConfig)
+    paths = [*cfg.train, *cfg.val]
+    urls = in_stores(paths)  # walked by ranged reads where they are (adopt.py), never downloaded whole
+    if urls and len(urls) < len(paths):
+        raise ConfigError("index takes local shards or shards in a store, not both in one command")
     if cfg.idx_only:
-        paths = [*cfg.train, *cfg.val]
-        urls = [str(p) for p in paths if is_url(str(p))]
-        if urls and len(urls) < len(paths):
-            raise ConfigError("index --idx-only takes local shards or shards in a store, not both in one command")
         if urls:
-            from fastpipe.convert.foreign import index_only_urls
+            from fastpipe.convert.adopt import index_only_where_they_are
 
-            n = index_only_urls(urls)
+            n = index_only_where_they_are(urls)
         else:
             n = index_only([local_path(p, "shard") for p in paths])  # .idx files are written beside
         print(f"wrote .idx files for {len(cfg.train) + len(cfg.val)} shards ({n} samples); no manifest touched")
         return 0
-    if cfg.out and any(is_url(str(p)) for p in [*cfg.train, *cfg.val]):
+    if urls:
         from fastpipe.convert.adopt import index_where_they_are
 
         manifest = index_where_they_are(cfg)
@@ -106,16 +106,15 @@ def _threshold(text: str) -> int:
 def _cmd_inspect(a) -> int:
     check_location(a.out)
     from fastpipe.convert.inspect import inspect
-    from fastpipe.store.remote import is_url
+    from fastpipe.store.location import place
 
-    out = a.out if is_url(a.out) else local_path(a.out, "data set")
+    out = place(a.out, "data set")
     report = inspect(out, verify=a.verify, repair=a.repair, cache_dir=a.cache_dir)
     print("\n".join(report.lines))
     if a.against:
         from fastpipe.convert.inspect import leaks
 
-        check_location(a.against)
-        other = a.against if is_url(a.against) else local_path(a.against, "data set")
+        other = place(a.against, "data set")
         print("\n".join(leaks(out, other, a.near_threshold, a.cache_dir)))
     return 0 if report.ok else 1
 

@@ -61,9 +61,10 @@ def test_the_top_of_the_package_holds_only_the_layers_and_the_commands():
 
 
 def test_the_store_writer_calls_neither_merge_nor_index():
-    """publish.py (staging and upload) is what merge.py and foreign.py use to write into a store: one way only."""
-    assert not imports(PKG / "convert" / "publish.py") & {"fastpipe.convert.merge", "fastpipe.convert.foreign"}
-    assert "fastpipe.convert.publish" in imports(PKG / "convert" / "merge.py") & imports(PKG / "convert" / "foreign.py")
+    """publish.py (staging and upload) is what merge.py and adopt.py (index in a store) use to write into a store:
+    one way only."""
+    assert not imports(PKG / "convert" / "publish.py") & {"fastpipe.convert.merge", "fastpipe.convert.adopt"}
+    assert "fastpipe.convert.publish" in imports(PKG / "convert" / "merge.py") & imports(PKG / "convert" / "adopt.py")
 
 
 def test_no_module_is_over_350_lines():
@@ -109,3 +110,19 @@ def test_no_import_circle():
     for m in sorted(graph):
         visit(m, [m], {m})
     assert not circles, "\n".join(circles[:20])
+
+
+def test_only_the_store_layer_tells_a_url_from_a_local_path():
+    """Every other module takes a location (store/location.open_location) or asks one: no second opinion on what a
+    URL is, and no store-or-folder attribute on a data set (`Manifest.files` is a location, whatever it is)."""
+    asking = {}
+    for path in PKG.rglob("*.py"):
+        if "store" in path.relative_to(PKG).parts:
+            continue
+        tree = ast.parse(path.read_text())
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        attrs = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        found = ({"is_url", "URL_RE"} & (names | attrs)) | ({"remote"} & attrs if "ray" not in path.name else set())
+        if found:
+            asking[path.relative_to(PKG).as_posix()] = sorted(found)
+    assert asking == {}

@@ -20,11 +20,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from conftest import epoch, make_folder
+from conftest import aws_env, epoch, make_folder
 from test_loaders import REAL_MODES
 
 from fastpipe.dataset.loading import load
-from fastpipe.errors import DataError
+from fastpipe.errors import ConfigError, DataError
 from fastpipe.loaders import make_loader
 from fastpipe.store.remote import Remote, RemoteError
 from fastpipe.testing.devserver import Faults, FolderServer
@@ -281,16 +281,16 @@ def test_reading_cached_samples_never_waits_behind_a_fetch_ahead(converted, tmp_
         shards = ShardSet(load(url, cache_dir=tmp_path / "c"), "val")
         shards.fetch([0])
         faults.latency, before = 1.0, faults.requests  # from here on, every request answers after 1 s
-        shards.remote.counters.take()
+        shards.files.counters.take()
         ahead = threading.Thread(target=shards.fetch, args=([shards.total - 1],), kwargs={"remap": False})
         ahead.start()
         while faults.requests == before:  # the fetch ahead is at the server
             time.sleep(0.01)
         image = bytes(shards.read([0]).images[0])
-        answered = shards.remote.counters.take()[0]  # requests completed (counted when their bytes are in)
+        answered = shards.files.counters.take()[0]  # requests completed (counted when their bytes are in)
         ahead.join()
     assert answered == 0  # sample 0 was read while the fetch ahead still waited for its answer
-    assert shards.remote.counters.take()[0] == 1
+    assert shards.files.counters.take()[0] == 1
     assert image == ShardSet(load(converted), "val").sample(0).image
 
 
@@ -494,8 +494,8 @@ def test_credentials_never_leave_memory(converted, tmp_path, monkeypatch):
         assert main(["train", url, "--model", "resnet18", "--epochs", "1", "--image-size", "32", "--batch-size",
                      "16", "--device", "cpu", "--workers", "0", "--out", str(tmp_path / "run"), "--cache-dir",
                      str(tmp_path / "c")]) == 0
-    assert loader.manifest.remote.env["AWS_SECRET_ACCESS_KEY"] == env_secret  # carried, in memory
-    text = json.dumps(loader.describe(), default=str) + repr(loader.manifest) + repr(loader.manifest.remote)
+    assert loader.manifest.files.env["AWS_SECRET_ACCESS_KEY"] == env_secret  # carried, in memory
+    text = json.dumps(loader.describe(), default=str) + repr(loader.manifest) + repr(loader.manifest.files)
     assert secret not in text and env_secret not in text and url in loader.manifest.location
     written = b"".join(p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file())
     assert written and env_secret.encode() not in written and secret.encode() not in written
@@ -503,8 +503,45 @@ def test_credentials_never_leave_memory(converted, tmp_path, monkeypatch):
 
 def test_local_paths_are_unchanged(converted):
     m = load(converted)
-    assert m.remote is None and m.location == str(converted)
+    assert m.files.folder == converted and m.location == str(converted)
     assert np.isclose(sum(m.mean), sum(load(str(converted)).mean))
+
+
+def test_a_folder_and_a_store_answer_the_same_calls(converted, tmp_path, s3_bucket, monkeypatch):
+    """The location contract: the same files in a folder and in a bucket, opened by one call, read, listed, named and
+    written alike; what is not there, or more than asked for, fails alike (a RemoteError saying why)."""
+    from fastpipe.store.location import open_location
+    from fastpipe.util import FileTooLarge
+
+    aws_env(monkeypatch, s3_bucket[0], tmp_path)
+    here, there = open_location(converted), open_location("s3://leafs/sets/v1/")
+    assert (type(here).__name__, here.folder, here.cache) == ("Folder", converted, None)
+    assert (isinstance(there, Remote), there.folder, there.url) == (True, None, "s3://leafs/sets/v1")
+    assert here.identity == str(converted.resolve()) and there.identity == "s3://leafs/sets/v1"
+    listed = here.listing()
+    assert listed == there.listing() and ("dataset.json", (converted / "dataset.json").stat().st_size) in listed
+    shard = next(rel for rel, _ in listed if rel.endswith(".tar"))
+    for loc in (here, there):
+        assert loc.relative(loc.join(shard)) == shard and loc.exists(shard) and not loc.exists("nothing.tar")
+        assert loc.cat("dataset.json") == (converted / "dataset.json").read_bytes()
+        assert loc.ranges([(shard, 512, 700)]) == [(converted / shard).read_bytes()[512:700]]
+        assert loc.glob("*.json") == sorted(p.name for p in converted.glob("*.json"))
+        with pytest.raises(RemoteError) as missing:
+            loc.cat("nothing.json")
+        assert isinstance(missing.value.__cause__, FileNotFoundError) and "nothing.json" in str(missing.value)
+        with pytest.raises(RemoteError, match="limit"):
+            loc.cat(shard, 100)
+        note = tmp_path / "note.txt"
+        note.write_text("kept")
+        loc.put_many([(note, "notes/note.txt")])
+        assert loc.cat("notes/note.txt") == b"kept"
+        loc.delete("notes/note.txt")
+        assert not loc.exists("notes/note.txt")
+    with pytest.raises(RemoteError) as large:
+        here.cat(shard, 100)
+    assert isinstance(large.value.__cause__, FileTooLarge)
+    with pytest.raises(ConfigError, match="inside"):
+        here.join("../outside.txt")
 
 
 def _upload(folder, url: str) -> None:
@@ -915,12 +952,12 @@ def test_a_manifest_in_a_store_sends_our_options_only_to_shards_in_its_own_bucke
     Remote("s3://leafs/theirs").put_many([(t, t.name) for t in tars])
     assert main(["index", f"s3://leafs/theirs/{tars[0].name}", "--out", "s3://leafs/ours"]) == 0
     opts = {"client_kwargs": {"region_name": "us-east-1"}}
-    assert load("s3://leafs/ours", storage_options=opts).remote.shards.options == opts
+    assert load("s3://leafs/ours", storage_options=opts).files.shards.options == opts
     d = json.loads(Remote("s3://leafs/ours").cat("dataset.json"))
     d["settings"]["shards_at"] = "s3://elsewhere/theirs"
     (tmp_path / "dataset.json").write_text(json.dumps(d))
     Remote("s3://leafs/ours").put_many([(tmp_path / "dataset.json", "dataset.json")])
-    assert load("s3://leafs/ours", storage_options=opts).remote.shards.options == {}
+    assert load("s3://leafs/ours", storage_options=opts).files.shards.options == {}
     for elsewhere in ("file:///etc", "http://169.254.169.254/latest"):  # this machine's files, another host
         d["settings"]["shards_at"] = elsewhere
         (tmp_path / "dataset.json").write_text(json.dumps(d))

@@ -28,9 +28,8 @@ def fingerprints(m: Manifest) -> tuple[list[str], list[str], np.ndarray]:
                         f"--near-duplicates off, or by another tool): convert it again with fastpipe shard to "
                         f"compare it")
     try:
-        data = read_regular(m.root / name, MAX_TABLE) if m.remote is None else m.remote.cat(name, MAX_TABLE)
-        return nearcopy.read_table(data)
-    except (OSError, ValueError, KeyError) as e:
+        return nearcopy.read_table(m.files.cat(name, MAX_TABLE))
+    except (OSError, ValueError, KeyError) as e:  # DataError (missing, too large) is a ValueError
         raise DataError(f"{m.location}/{name}: not a fingerprint table fastpipe wrote ({e}); convert the data set "
                         f"again") from None
 

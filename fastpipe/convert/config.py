@@ -10,8 +10,7 @@ from fastpipe.convert import images
 from fastpipe.convert.sources import MAX_ROWS
 from fastpipe.errors import ConfigError, MissingDependency
 from fastpipe.options import SEED_MAX, check, opt, parse_procs, parse_size
-from fastpipe.store.remote import is_url
-from fastpipe.store.urls import check_location, local_path
+from fastpipe.store.location import open_location, place
 
 SPLITS = ("train", "val")
 DEFAULT_SHARD_SIZE = 256 * 1024**2
@@ -71,7 +70,7 @@ class ShardConfig:
 
     def settings(self) -> dict:
         """Everything that changes the output bytes (workers, overwrite and Ray don't)."""
-        source = self.src if is_url(self.src) else str(Path(self.src).resolve())
+        source = open_location(self.src, what="SRC").identity
         return {"source": source, "short_side": self.short_side,
                 "quality": self.quality, "val_fraction": self.val_fraction, "seed": self.seed,
                 "max_shard_size": self.shard_bytes, "min_shards": self.shard_count, "max_pixels": self.max_pixels,
@@ -95,10 +94,8 @@ class ShardConfig:
 
     def __post_init__(self):
         # Paths given as text (the API, the CLI) become Paths; a URL is checked here, before anything is created.
-        object.__setattr__(self, "src", check_location(self.src, "SRC") if is_url(self.src) else
-                           local_path(self.src, "SRC"))
-        object.__setattr__(self, "out", check_location(self.out, "OUT") if is_url(self.out) else
-                           local_path(self.out, "OUT"))
+        object.__setattr__(self, "src", place(self.src, "SRC"))
+        object.__setattr__(self, "out", place(self.out, "OUT"))
         check(self)
 
     def validate(self) -> None:

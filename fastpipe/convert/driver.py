@@ -28,7 +28,7 @@ from fastpipe.dataset import nearcopy
 from fastpipe.dataset.manifest import Components, Manifest, SplitInfo, Stats
 from fastpipe.dataset.shardformat import encode_label
 from fastpipe.errors import DataError
-from fastpipe.store.remote import is_url
+from fastpipe.store.location import open_location
 from fastpipe.store.urls import redact
 from fastpipe.util import FolderLock, atomic_write_bytes, usable_cores, write_json_atomic, write_jsonl_atomic
 
@@ -106,9 +106,9 @@ def _make_pool(cfg: ShardConfig, source, workers: int, initargs: tuple):
     if cfg.uses_ray:
         from fastpipe.convert.onray import RayWorkers
 
-        settings, limit, remote, root, near, _ = initargs  # each node reads the store with credentials of its own
+        settings, limit, files, near, _ = initargs  # each node reads the store with credentials of its own
         return RayWorkers(cfg.ray_address, cfg.workers, photos.init_worker,
-                          (settings, limit, remote and remote.without_credentials(), root, near), cfg.ray_timeout)
+                          (settings, limit, files.without_credentials(), near), cfg.ray_timeout)
     return Workers(workers, photos.init_worker, initargs) if workers > 1 else None
 
 
@@ -168,7 +168,7 @@ def _convert_split(run: _SplitRun, source, hashed: tuple[dict, dict], pool, bar,
                    on_change: str) -> int:
     todo, (hashes, pixels) = run.samples[run.pos:], hashed
     # each photo with the hash the plan has for it: the worker converts those bytes or none (photos.convert_one)
-    where = [photos.Planned(photos.location(source.root, s.path), hashes[s.path]) for s in todo]
+    where = [photos.Planned(source.files.join(s.path), hashes[s.path]) for s in todo]
     # 4 a task: fewer messages per image; more would leave one worker idle longer at the end
     results = pool.imap(photos.convert_one, where, chunksize=4, pixels=[pixels.get(s.path, 0) for s in todo]) \
         if pool else map(photos.convert_one, where)
@@ -230,7 +230,7 @@ def _finalize(cfg, source, progress, early: list[Rejection], ids: dict, pool, fo
 
 
 def _source_bytes(cfg, source, rel: str) -> bytes | None:
-    data = photos.read(photos.location(source.root, rel), cfg.max_file_size, source.remote)
+    data = photos.read(source.files.join(rel), cfg.max_file_size, source.files)
     return None if isinstance(data, images.Rejected) else data
 
 
@@ -248,7 +248,7 @@ def shard(cfg: ShardConfig) -> Summary:
     cfg.validate()
     start = time.perf_counter()
     source = discover(cfg.src, exclude=cfg.out, limit=cfg.max_file_size, max_rows=cfg.max_rows)
-    if is_url(cfg.out):
+    if open_location(cfg.out, what="OUT").folder is None:  # a store: converted in a staging folder, uploaded
         return publish.shard_to_url(cfg, lambda staged: _shard_into(staged, source, start))
     return _shard_into(cfg, source, start)
 
@@ -290,7 +290,7 @@ def _run(cfg: ShardConfig, source, summary: Summary, start: float) -> None:
     workers = usable_cores() if cfg.workers is None else cfg.workers
     near = cfg.near_duplicates != "off"
     kept = spool.folder(cfg.out, cfg.image_settings(), cfg.suffix) if near and not cfg.uses_ray else None
-    initargs = (cfg.image_settings(), cfg.max_file_size, source.remote, None if source.remote else source.root,
+    initargs = (cfg.image_settings(), cfg.max_file_size, source.files,
                 near, str(kept) if kept else None)
     pool = _make_pool(cfg, source, workers, initargs)
     photos.init_worker(*initargs)  # this process converts too (no pool), and hashes

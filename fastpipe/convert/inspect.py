@@ -30,6 +30,8 @@ from fastpipe.dataset.shardformat import (
 )
 from fastpipe.errors import DataError
 
+MAX_REJECTED = 256 << 20  # bytes of rejected.jsonl read for the summary (about a million rejections)
+
 _BUFFER = re.compile(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>")
 
 
@@ -95,11 +97,8 @@ def _near_line(m: Manifest) -> list[str]:
 
 def _rejected(m: Manifest) -> str | None:
     """rejected.jsonl's text, where the conversion left one."""
-    if m.remote is None:
-        path = m.root / "rejected.jsonl"
-        return path.read_text() if path.exists() else None
     try:
-        return m.remote.cat("rejected.jsonl").decode("utf-8", "replace")
+        return m.files.cat("rejected.jsonl", MAX_REJECTED).decode("utf-8", "replace")
     except DataError:  # not there (an adopted set), or the store refuses it: the summary goes on without it
         return None
 
@@ -162,7 +161,7 @@ def _verify_remote_shard(m: Manifest, split: str, shard, report: Report) -> int:
     except DataError as e:  # missing, still failing after the retries, or not the bytes dataset.json names
         report.problems.append(str(e))
         return 0
-    return _check_samples(m, split, shard, path, m.remote.join(shard.path), samples, report)
+    return _check_samples(m, split, shard, path, m.files.join(shard.path), samples, report)
 
 
 def _cached_whole(m: Manifest, shard) -> tuple[Path, list]:
@@ -171,13 +170,13 @@ def _cached_whole(m: Manifest, shard) -> tuple[Path, list]:
     fetching a bad copy once more; the file holds the shard's bytes at their own offsets."""
     from fastpipe.store.cache import ShardCache, tiling
 
-    r = m.remote
+    r = m.files
     exts = [e for e in (m.components.image, m.components.label_bin or m.components.label, m.components.meta) if e]
     samples = parse_index(r.cat(shard.index), r.join(shard.index), shard.bytes)
     ends = np.array([max(sum(parts[e]) for e in exts if e in parts) for _, parts in samples], np.int64)
     heads = np.array([(parts[exts[0]][0] - BLOCK, parts[exts[0]][1]) if exts[0] in parts else (-1, -1)
                       for _, parts in samples], np.int64)  # a sample without an image is reported by the check
-    cache = ShardCache(r, r.cache_dir, r.cache_limit, [shard.path], [shard.bytes], [shard.sha256],
+    cache = ShardCache(r, r.cache.folder, r.cache.limit, [shard.path], [shard.bytes], [shard.sha256],
                        [tiling(ends, shard.bytes)], [heads.reshape(-1, 2)], range_as_indexed)
     cache.check(0)
     cache.ensure({0: np.arange(len(samples))})
@@ -190,7 +189,7 @@ def inspect(out, verify: bool = False, repair: bool = False, storage_options: di
     report = Report(_summary(m))
     if verify or repair:
         shards = [(name, s) for name, sp in m.splits.items() for s in sp.shards]
-        verify_shard = _verify_shard if m.remote is None else _verify_remote_shard
+        verify_shard = _verify_shard if m.files.cache is None else _verify_remote_shard  # a store's: through the cache
         checked = sum(verify_shard(m, n, s, report) for n, s in tqdm(shards, desc="verifying", unit="shard"))
         found = len(report.problems) + len(report.bad) + len(report.altered)
         report.lines.append(f"verified {checked} samples in {len(shards)} shards: "
@@ -200,7 +199,7 @@ def inspect(out, verify: bool = False, repair: bool = False, storage_options: di
                          for a in report.altered[:50]]
         report.lines += [f"  PROBLEM {b['shard']} sample {b['key']}: {b['reason']}" for b in report.bad[:50]]
         if repair and report.bad:
-            local = (lambda s: m.root / s.path) if m.remote is None else (lambda s: _cached_whole(m, s)[0])
+            local = (lambda s: m.root / s.path) if m.files.cache is None else (lambda s: _cached_whole(m, s)[0])
             report.lines += repair_indexes(m, report.bad, local)
             report.repaired = True
         elif report.bad:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from fastpipe.convert.lists import LIST_SUFFIXES, from_bytes
 from fastpipe.convert.sources import MAX_ROWS, Item, Rejection, Source, check_rows, class_order, is_hidden, numeric_note
 from fastpipe.errors import ConfigError, DataError
-from fastpipe.store.remote import Remote, is_url
+from fastpipe.store.remote import Remote
 from fastpipe.store.urls import check_relative, redact
 
 BAD_NAME = ("the object's name holds what a URL would decode or normalise (%, ?, #, \\, a control character, an "
@@ -37,7 +37,7 @@ def from_store(url: str, exclude=None, limit: int = 1 << 30, max_rows: int = MAX
         raise ConfigError(f"SRC {url}: an http(s) server cannot be listed, so its photos cannot be discovered; give "
                           f"a list instead ({url}/photos.csv: one 'path,label' row per photo, paths relative to the "
                           f"list's folder)")
-    out = str(exclude).rstrip("/") if is_url(str(exclude)) else ""
+    out = str(exclude or "").rstrip("/")  # a local OUT never starts with the URL
     skip = out[len(url) + 1:] if out.startswith(url + "/") else None
     found = [(rel, size) for rel, size in remote.listing()
              if not skip or (rel != skip and not rel.startswith(skip + "/"))]
@@ -46,7 +46,7 @@ def from_store(url: str, exclude=None, limit: int = 1 << 30, max_rows: int = MAX
         raise DataError(f"{url}: no image files found in class folders. Expected SRC/<class>/<image files> (or "
                         f"SRC/train/<class>/..., SRC/val/<class>/...), or a CSV list of path,label rows")
     classes = class_order(i.label for i in items)
-    return Source(url, tuple(items), tuple(rejections), classes, ignored, numeric_note(classes), remote=remote)
+    return Source(url, tuple(items), tuple(rejections), classes, ignored, numeric_note(classes), files=remote)
 
 
 def _classify(found: list[tuple[str, int]], limit: int) -> tuple[list[Item], list[Rejection], int]:
@@ -95,13 +95,13 @@ def _list(url: str, max_rows: int, unlabelled: bool = False) -> Source:
     remote = Remote(folder)
     data = remote.cat(name)
     check_rows([data], url, max_rows)
-    return from_bytes(data, url, folder, lambda raw: _place(folder, raw), remote=remote, unlabelled=unlabelled)
+    return from_bytes(data, url, folder, lambda raw: _place(folder, raw), files=remote, unlabelled=unlabelled)
 
 
 def _place(folder: str, raw: str) -> str | Rejection:
     """A row's path in a list in a store: a plain relative path, or a URL inside the list's folder."""
     rel = raw[len(folder) + 1:] if raw.startswith(folder + "/") else raw
-    if is_url(rel) or not _plain(rel):
+    if not _plain(rel):  # another URL has an empty segment ('//'): not plain
         return Rejection(redact(raw), "outside-root", f"not a plain path inside the list's folder {folder} (no "
                                                       f"other URL, '..', %-escape, ? or #)")
     return rel

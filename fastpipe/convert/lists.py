@@ -223,14 +223,14 @@ def from_list(list_file: Path, unlabelled: bool = False) -> Source:
                       lambda first: (root / first).is_file(), unlabelled=unlabelled)
 
 
-def from_bytes(data: bytes, where: str, root, place, names_file=lambda first: False, remote=None,
+def from_bytes(data: bytes, where: str, root, place, names_file=lambda first: False, files=None,
                unlabelled: bool = False) -> Source:
     """The Source of a list's bytes. `where` names the list in messages; `place(raw)` turns a row's path into the
     relative path of an item, or a Rejection; `names_file(cell)` says whether a first row's cell names a file.
     `unlabelled`: a list of paths alone is taken too (its items' labels are "": what `fastpipe predict` reads)."""
     rows, header = _read_rows(data, where, names_file)
     if unlabelled and header is None and _paths_only(rows):
-        return _paths(rows, root, place, remote)
+        return _paths(rows, root, place, files)
     mode, why = _list_mode(where, header, rows)
     rejections: list[Rejection] = []
     notes = _notes(header, mode, why, rows)
@@ -257,14 +257,14 @@ def from_bytes(data: bytes, where: str, root, place, names_file=lambda first: Fa
     notes += numeric_note(classes)
     if multilabel:
         notes += (f"multi-label list: {len(classes)} labels",)
-    return Source(root, tuple(items), tuple(rejections), classes, 0, notes, multilabel, remote)
+    return Source(root, tuple(items), tuple(rejections), classes, 0, notes, multilabel, files)
 
 
 def _paths_only(rows) -> bool:
     return bool(rows) and all(r and r[0].strip() and not any(c.strip() for c in r[1:]) for _, r in rows)
 
 
-def _paths(rows, root, place, remote) -> Source:
+def _paths(rows, root, place, files) -> Source:
     """A list of one path per row (a header word alone on the first row is skipped), without labels."""
     if rows[0][1][0].strip().lower() in HEADER_WORDS:
         rows = rows[1:]
@@ -273,7 +273,7 @@ def _paths(rows, root, place, remote) -> Source:
         rel = place(row[0].strip())
         (rejections if isinstance(rel, Rejection) else items).append(rel if isinstance(rel, Rejection)
                                                                       else Item(rel, "", None))
-    return Source(root, tuple(items), tuple(rejections), (), 0, ("a list of paths without labels",), False, remote)
+    return Source(root, tuple(items), tuple(rejections), (), 0, ("a list of paths without labels",), False, files)
 
 
 def _notes(header: list[str] | None, mode: str, why: str, rows) -> tuple[str, ...]:

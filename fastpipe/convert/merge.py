@@ -19,8 +19,8 @@ from fastpipe.convert import outputs, previews, readers
 from fastpipe.convert.publish import staging_folder, upload
 from fastpipe.dataset.loading import load
 from fastpipe.dataset.manifest import MANIFEST_NAME, Manifest, ManifestError, SplitInfo, Stats, from_dict, save
-from fastpipe.store.remote import Remote, is_url
-from fastpipe.store.urls import local_path
+from fastpipe.store.location import open_location
+from fastpipe.store.remote import Remote
 from fastpipe.util import FolderLock, atomic_write_bytes, parse_json, read_json, write_jsonl_atomic
 
 PART_RE = re.compile(r"dataset\.part-(\d{3})-of-(\d{3})\.json$")
@@ -54,9 +54,10 @@ def _shared(settings: dict) -> dict:
 
 def merge_parts(out) -> Manifest:
     """Merge the parts in folder `out`, or in a store's folder (a URL: merge_to_url)."""
-    if is_url(str(out)):
-        return merge_to_url(str(out))
-    out = local_path(out, "OUT")
+    where = open_location(out, what="OUT")
+    if where.folder is None:
+        return merge_to_url(where.url)
+    out = where.folder
     with FolderLock(out, "fastpipe merge"):
         return merge_in(out, previews.read_local(out))
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import socket
 import warnings
 from pathlib import Path
@@ -29,8 +30,9 @@ from PIL import Image
 from fastpipe.convert import images, spool
 from fastpipe.errors import DataError
 from fastpipe.store.clients import CrossOriginRedirect, ObjectTooLarge
-from fastpipe.store.remote import Remote, RemoteError, is_url
-from fastpipe.util import FileTooLarge, NotRegularFile, read_regular
+from fastpipe.store.location import Folder
+from fastpipe.store.remote import RemoteError
+from fastpipe.util import FileTooLarge, NotRegularFile
 
 
 class Planned(str):
@@ -46,55 +48,51 @@ class Planned(str):
         return Planned, (str(self), self.sha256)
 
 
-def location(root: Path | str, rel: str) -> str:
-    """Where the photo `rel` of SRC `root` is: a path, or a URL."""
-    return f"{root}/{rel}" if is_url(str(root)) else str(Path(root) / rel)
-
-
-def read(where: str, limit: int, remote: Remote | None = None) -> bytes | images.Rejected:
-    """The photo's bytes (at most `limit`), or why it cannot be converted. `remote`: SRC's folder, when in a store."""
-    if remote is None:
-        try:
-            return read_regular(Path(where), limit)
-        except FileTooLarge as e:
-            return images.Rejected("too-large", f"{e}; raise --max-file-size to convert it")
-        except NotRegularFile as e:
-            return images.Rejected("not-a-file", str(e))
-        except OSError as e:
-            return images.Rejected("unreadable", f"{type(e).__name__}: {e.strerror or e}")
+def read(where: str, limit: int, files=None) -> bytes | images.Rejected:
+    """The photo's bytes (at most `limit`), or why it cannot be converted. `files`: SRC's location (a store's or a
+    folder's, store.location) that `where` is in; None for a photo file named on its own."""
+    if files is None:
+        files = Folder(os.path.dirname(where) or ".")
     try:
-        return remote.cat(where[len(remote.url) + 1:], limit)
+        return files.cat(files.relative(where), limit)
     except RemoteError as e:
-        if isinstance(e.__cause__, ObjectTooLarge):
+        cause = e.__cause__
+        if isinstance(cause, FileTooLarge):  # its size is known
+            return images.Rejected("too-large", f"{cause}; raise --max-file-size to convert it")
+        if isinstance(cause, ObjectTooLarge):
             return images.Rejected("too-large", f"{where}: more than the limit of {limit} bytes; raise "
                                                 f"--max-file-size to convert it")
-        if isinstance(e.__cause__, FileNotFoundError):
+        if isinstance(cause, NotRegularFile):
+            return images.Rejected("not-a-file", str(cause))
+        if isinstance(cause, FileNotFoundError):
             return images.Rejected("missing", "no such file")
-        if isinstance(e.__cause__, CrossOriginRedirect):  # the row's photo only: the server moved it, not the list
-            return images.Rejected("outside-root", f"{e.__cause__.asked} redirects to {e.__cause__.target}, another "
-                                                   f"origin (scheme, host, port): not read; list the photo where it "
-                                                   f"is served from, inside the list's folder")
+        if isinstance(cause, CrossOriginRedirect):  # the row's photo only: the server moved it, not the list
+            return images.Rejected("outside-root", f"{cause.asked} redirects to {cause.target}, another origin "
+                                                   f"(scheme, host, port): not read; list the photo where it is "
+                                                   f"served from, inside the list's folder")
+        if isinstance(cause, OSError) and files.folder is not None:  # permissions, I/O: this file, not the run
+            return images.Rejected("unreadable", f"{type(cause).__name__}: {cause.strerror or cause}")
         raise
 
 
 # -- the workers' side --------------------------------------------------------------------------------------
-_STATE: tuple[images.ImageSettings, int, Remote | None] | None = None
+_STATE: tuple | None = None  # (settings, the file size limit, SRC's location)
 _FINGERPRINTS = False  # hash_one also takes each photo's near-copy fingerprint
 _SPOOL: Path | None = None  # ... converting the photo to take it, kept for convert_one (spool.py)
 
 
-def init_worker(settings: images.ImageSettings, limit: int, remote: Remote | None = None, root=None,
-                fingerprints: bool = False, spool_at: str | None = None) -> None:
-    """Set up this process for `hash_one` and `convert_one`. `root`: a local SRC's folder, which must be there (a
+def init_worker(settings: images.ImageSettings, limit: int, files=None, fingerprints: bool = False,
+                spool_at: str | None = None) -> None:
+    """Set up this process for `hash_one` and `convert_one`. `files`: SRC's location; a folder must be there (a
     Ray node without the shared file system would otherwise find every photo unreadable). `spool_at`: where
     hash_one keeps the photos it converts (None: it decodes them for the fingerprint alone)."""
     global _STATE, _FINGERPRINTS, _SPOOL
     _FINGERPRINTS, _SPOOL = fingerprints, Path(spool_at) if spool_at else None
-    if remote is None and root is not None and not Path(root).is_dir():
-        raise DataError(f"SRC {root} is not a folder on {socket.gethostname()}: with --ray, a local SRC must be at "
-                        f"the same path on every node (a shared file system); or put the photos in a store "
+    if files is not None and files.folder is not None and not files.folder.is_dir():
+        raise DataError(f"SRC {files.folder} is not a folder on {socket.gethostname()}: with --ray, a local SRC must "
+                        f"be at the same path on every node (a shared file system); or put the photos in a store "
                         f"(s3://, gs://, az://) and give its URL as SRC")
-    _STATE = (settings, limit, remote)
+    _STATE = (settings, limit, files)
 
 
 def convert_one(where: str) -> images.Encoded | images.Rejected:

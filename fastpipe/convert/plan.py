@@ -34,8 +34,8 @@ def hash_files(source: Source, threads: int, pool=None) -> tuple[dict[str, str],
     Threads, not the process pool: reading and hashlib release the GIL, and the conversion processes can finish
     starting up (importing numpy and Pillow) meanwhile. A store's objects are read 16 at a time at least (their
     latency, not this machine, is what limits). `pool` (Ray's: onray.py) reads and hashes them there instead."""
-    where = [photos.location(source.root, i.path) for i in source.items]
-    threads = max(threads, 16) if source.remote is not None else threads
+    where = [source.files.join(i.path) for i in source.items]
+    threads = max(threads, source.files.inflight)  # a store's latency, not this machine, limits its reads
     threaded = ThreadPool(threads) if pool is None and threads > 1 else None
     mapper = pool or threaded
     results = mapper.imap(photos.hash_one, where, chunksize=8) if mapper else map(photos.hash_one, where)

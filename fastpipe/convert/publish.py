@@ -81,7 +81,7 @@ class _Mirror(Ticker):
 
     def __init__(self, staging: Path, remote: Remote, name: str, in_store: dict[str, tuple]):
         super().__init__(MIRROR_SECONDS, self._quietly, "fastpipe-mirror")
-        self.staging, self.remote, self.name = staging, remote, name
+        self.staging, self.store, self.name = staging, remote, name
         # each file the store has as it is here, with its stamp: the restored ones to begin with, so that a
         # conversion resumed on another machine does not upload again every shard it downloaded
         self.sent: dict[str, tuple | None] = dict(in_store)
@@ -101,11 +101,11 @@ class _Mirror(Ticker):
             return  # not started, or finished (the journal is removed once dataset.json is written)
         stamps = {n: _stamp(self.staging / n) for sh in journal_shards(text) for n in (sh["path"], sh["index"])}
         todo = {n: stamp for n, stamp in stamps.items() if self.sent.get(n) != stamp}
-        self.remote.put_many([(self.staging / n, n) for n in todo])
+        self.store.put_many([(self.staging / n, n) for n in todo])
         self.sent.update(todo)
         copy = self.staging / f"{self.name}.mirror"
         copy.write_text(text)
-        self.remote.put_many([(copy, self.name)])
+        self.store.put_many([(copy, self.name)])
 
 
 def _restore(staging: Path, remote: Remote, name: str) -> dict[str, tuple | None]:

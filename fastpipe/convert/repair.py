@@ -32,11 +32,11 @@ REPAIRED = "repaired.jsonl"
 def repair_indexes(m: Manifest, bad: list[dict], shard_file) -> list[str]:
     """Leave `bad` (inspect's findings: split, shard, key, label) out of their indexes. `shard_file(shard)` is a
     local file holding the shard's bytes at their offsets (a recount of labels reads it)."""
-    if m.remote is None:
+    if m.files.folder is not None:  # rewritten in place, under the folder's lock
         with FolderLock(m.root, "fastpipe inspect --repair"):
             # the samples still listed were all just decoded: a shard altered since conversion gets its new sha256
             return _repair(m, bad, m.root, shard_file, rehash=True)
-    r = m.remote
+    r = m.files
     changed = {b["shard"] for b in bad}
     indexes = [s.index for sp in m.splits.values() for s in sp.shards if s.path in changed]
     with tempfile.TemporaryDirectory(prefix="fastpipe-repair-") as tmp:
@@ -59,9 +59,9 @@ def _repair(m: Manifest, bad: list[dict], folder: Path, shard_file, rehash: bool
 
     def entries(s):  # a rewritten index is in `folder`; in a store, the others are read from there
         local = folder / s.index
-        if local.exists() or m.remote is None:
+        if local.exists():
             return read_index(local, s.bytes)
-        return parse_index(m.remote.cat(s.index), m.remote.join(s.index), s.bytes)
+        return parse_index(m.files.cat(s.index), m.files.join(s.index), s.bytes)
 
     splits = {}
     for name, sp in m.splits.items():
@@ -83,9 +83,10 @@ def _repair(m: Manifest, bad: list[dict], folder: Path, shard_file, rehash: bool
     previous = _previous_repairs(folder / REPAIRED)
     write_jsonl_atomic(folder / REPAIRED, previous + bad)
     save(replace(m, splits=splits, settings={**m.settings, "repaired": len(previous) + len(bad)}), folder)
-    where = f"{m.location}/{REPAIRED}" if m.remote is not None else str(folder / REPAIRED)
-    return [f"  repaired: {len(bad)} samples left out of {len(by_shard)} index files (listed in {where}); "
-            f"dataset.json counts updated" + (f", uploaded to {m.location} (dataset.json last)" if m.remote else "")]
+    uploaded = m.files.folder is None
+    return [f"  repaired: {len(bad)} samples left out of {len(by_shard)} index files (listed in "
+            f"{m.files.join(REPAIRED)}); dataset.json counts updated"
+            + (f", uploaded to {m.location} (dataset.json last)" if uploaded else "")]
 
 
 def _recount(m: Manifest, shards, entries, shard_file) -> list[int]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastpipe.errors import DataError
+from fastpipe.store.location import Folder
 from fastpipe.store.urls import redact
 
 # Files and folders every photo collection carries that are not photos: ignored, and counted in the summary.
@@ -55,7 +56,11 @@ class Source:
     ignored: int = 0  # hidden and system files
     notes: tuple[str, ...] = ()  # what the summary should tell (header row, numeric labels, ...)
     multilabel: bool = False  # items' labels are label sets, "a;b" (sorted names joined by ';', "" for none)
-    remote: object = None  # store.remote.Remote of `root` when SRC is in a store
+    files: object = None  # what reads the items (store.location): SRC's folder, or its folder in a store
+
+    def __post_init__(self):
+        if self.files is None:
+            object.__setattr__(self, "files", Folder(self.root))
 
 
 def check_rows(chunks, where: str, limit: int) -> None:

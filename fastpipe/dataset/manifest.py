@@ -98,14 +98,15 @@ class Manifest:
     outputs: dict = field(default_factory=dict)
     # "single": one class per image; "multilabel": a set of labels per image (class_counts then count positives)
     task: str = "single"
-    # A data set in object storage (store.remote.Remote: its URL, how to reach it, where its shards are cached); then
-    # `root` is the local cache folder. Not serialised, and never printed (it may hold credentials).
-    remote: object = field(default=None, repr=False, compare=False)
+    # What reads the data set's files (a store.location: a local Folder, a store folder with this node's cache, an
+    # Overlay), attached by dataset/loading.py; None for a manifest built in memory (its files are under `root`).
+    # For a data set in a store, `root` is the node's cache folder. Not serialised, never printed (credentials).
+    files: object = field(default=None, repr=False, compare=False)
 
     @property
     def location(self) -> str:
         """Where the data set is, for messages and records: its URL, or its folder."""
-        return self.remote.url if self.remote is not None else str(self.root)
+        return str(self.root) if self.files is None else self.files.url
 
     @property
     def multilabel(self) -> bool:

@@ -22,6 +22,7 @@ from fastpipe.dataset.manifest import MANIFEST_NAME, Manifest
 from fastpipe.dataset.shardformat import BLOCK, decode_label, parse_index, range_as_indexed, read_index
 from fastpipe.errors import DataError
 from fastpipe.loaders.epoch import Piece
+from fastpipe.store.location import Folder
 
 
 class ShardError(DataError):
@@ -83,7 +84,8 @@ class ShardSet:
     def __init__(self, manifest: Manifest, split: str):
         info = manifest.split(split)
         self.root = manifest.root
-        self.remote = manifest.remote  # a data set in object storage: read through the node's cache (cache.py)
+        # what reads the files: a store's through this node's cache (cache.py), a folder's in place
+        self.files = manifest.files if manifest.files is not None else Folder(manifest.root)
         self.names = [PurePosixPath(s.path).name for s in info.shards]
         self.paths = [manifest.root / s.path for s in info.shards]
         self.index_paths = [manifest.root / s.index for s in info.shards]
@@ -100,7 +102,7 @@ class ShardSet:
         self.keys: list[str] = []
         self.cache = None
         self.fetch_wait_s = 0.0  # waited for a fetch ahead (prefetch.fetched_ahead) since the last read
-        if self.remote is not None:
+        if self.files.cache is not None:
             self._check_remote(manifest, info)
         else:
             for i, shard in enumerate(info.shards):
@@ -128,8 +130,9 @@ class ShardSet:
         from fastpipe.store.cache import ShardCache, tiling
         from fastpipe.store.cachefiles import cached_indexes, keep_index
 
-        r = self.remote
-        texts, cached = cached_indexes(r, r.cache_dir, [s.index for s in info.shards], [s.sha256 for s in info.shards])
+        r = self.files
+        texts, cached = cached_indexes(r, r.cache.folder, [s.index for s in info.shards],
+                                       [s.sha256 for s in info.shards])
         for i, (shard, text, was_cached) in enumerate(zip(info.shards, texts, cached)):
             entries = _cached_entries(text, shard) if was_cached else None
             fresh = entries is None
@@ -139,23 +142,22 @@ class ShardSet:
                 entries = parse_index(text, r.join(shard.index), shard.bytes)
             self._add_entries(manifest, i, shard, entries)
             if fresh:
-                keep_index(r.cache_dir, shard.sha256, text)
+                keep_index(r.cache.folder, shard.sha256, text)
         spans, heads = [], []
         for i, shard in enumerate(info.shards):
             rows = slice(self.starts[i], self.starts[i + 1])
             spans.append(tiling(np.where(self.offsets[rows] >= 0, self.offsets[rows] + self.sizes[rows], 0).max(1),
                                 shard.bytes))
             heads.append(np.stack([self.offsets[rows, 0] - BLOCK, self.sizes[rows, 0]], 1))
-        self.cache = ShardCache(r, r.cache_dir, r.cache_limit, [s.path for s in info.shards],
+        self.cache = ShardCache(r, r.cache.folder, r.cache.limit, [s.path for s in info.shards],
                                 [s.bytes for s in info.shards], [s.sha256 for s in info.shards], spans, heads,
                                 range_as_indexed)
         for i in range(len(info.shards)):
             self.cache.check(i)
 
     def _add_entries(self, manifest: Manifest, i: int, shard, entries) -> None:
-        path, idx, where = self.paths[i], self.index_paths[i], manifest.location + "/" + MANIFEST_NAME
-        if self.remote is not None:
-            path, idx = self.remote.join(shard.path), self.remote.join(shard.index)
+        path, idx = self.files.join(shard.path), self.files.join(shard.index)
+        where = manifest.location + "/" + MANIFEST_NAME
         if len(entries) != shard.samples:
             raise ShardError(f"index {idx} lists {len(entries)} samples but {where} says {shard.samples}: rebuild "
                              f"the index with `fastpipe index --idx-only {path}`, or re-run the conversion")
@@ -238,7 +240,7 @@ class ShardSet:
 
     def where(self, shard: int) -> str:
         """The shard's path, or its URL for a data set in object storage (for messages)."""
-        return self.remote.join(self.rel_path(shard)) if self.remote is not None else str(self.paths[shard])
+        return self.files.join(self.rel_path(shard))
 
     def rel_path(self, shard: int) -> str:
         return self.paths[shard].relative_to(self.root).as_posix()

@@ -70,12 +70,11 @@ class SampleStream(IterableDataset):
     def batches(self, worker: int, workers: int):
         """The batches of worker `worker` of `workers` (a process or a thread), prepared, in order."""
         epoch = int(self.epoch[0])
-        remote = self.shards.remote
+        counters = self.shards.files.counters  # a store's requests (a folder's are none)
         try:
             for ids, positions in fetched_ahead(self.shards, self.plan(worker, workers)):
                 batch = self.prepare(self.shards.read(ids), positions, epoch)
-                if remote is not None:
-                    batch.io = remote.counters.take()
+                batch.io = counters.take()
                 yield batch
         except FastpipeError as e:  # named and explained: the main process raises it without a worker traceback
             yield HostBatch.failed(str(e))
@@ -210,8 +209,7 @@ class StreamLoader(Loader):
         self.dataset.position[0] = self.position
         if self.in_threads:
             self.close()  # an abandoned iteration's threads end before the next one's start
-            if self.shards.remote is not None:  # the epoch's requests only, as worker processes count from zero
-                self.shards.remote.counters.take()
+            self.shards.files.counters.take()  # the epoch's requests only, as worker processes count from zero
             self._threads = LoaderThreads(self.dataset, self.num_workers, self.prefetch)
             return iter(self._threads)
         it = processes.started_holding_sigterm(lambda: iter(self.dataloader))

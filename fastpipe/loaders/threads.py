@@ -228,9 +228,7 @@ class LoaderThreads:
             if not b.failed:
                 if self.split:
                     b.result = self.prepare.end(b.job)
-                remote = self._reader.shards.remote
-                if remote is not None:
-                    b.result.io = remote.counters.take()
+                b.result.io = self._reader.shards.files.counters.take()
         except BaseException as e:
             self._fail(b, e, b.chunks[-1][1])  # after every sample: no chunk of b had failed
         finally:

@@ -78,7 +78,7 @@ def tuned_workers(manifest, cfg, backend: str, seconds: float = 2.0) -> tuple[in
     import logging
     import platform
 
-    where = manifest.location if manifest.remote else manifest.root.resolve()
+    where = manifest.files.identity if manifest.files is not None else manifest.root.resolve()
     modes = (False, True) if cfg.threads is None else (cfg.threads,)
     key = "|".join(map(str, (platform.node(), usable_cores(), where, manifest.settings.get("fingerprint", ""),
                              backend, cfg.image_size, cfg.batch_size, cfg.cpu_decoder, "threads", *modes)))

@@ -16,8 +16,8 @@ from fastpipe.convert.discovery import discover
 from fastpipe.convert.lists import LIST_SUFFIXES
 from fastpipe.convert.sources import Rejection, Source, display, files_below, is_hidden
 from fastpipe.errors import ConfigError, DataError
-from fastpipe.store.remote import Remote, is_url
-from fastpipe.store.urls import check_location, check_relative
+from fastpipe.store.location import open_location
+from fastpipe.store.urls import check_relative
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class Photo:
 class Photos:
     items: tuple[Photo, ...]
     rejections: tuple[Rejection, ...]
-    remote: object = None  # store.remote.Remote of SRC's folder in a store
+    files: object = None  # what reads them (store.location): SRC's folder or store folder; None: files named alone
     notes: tuple[str, ...] = ()
     ignored: int = 0
 
@@ -42,8 +42,7 @@ def find(src: list[str], classes: list[str], multilabel: bool, limit: int) -> Ph
         return _collection(src[0], classes, multilabel, limit)
     items, rejections = [], []
     for s in src:
-        check_location(s, "SRC")
-        if is_url(s):
+        if open_location(s, what="SRC").folder is None:
             raise ConfigError(f"SRC {s}: give a folder or a list in a store as the only SRC (photo files are read "
                               f"from this machine)")
         if Path(s).is_dir():
@@ -53,13 +52,14 @@ def find(src: list[str], classes: list[str], multilabel: bool, limit: int) -> Ph
 
 
 def _is_collection(s: str) -> bool:
-    return is_url(s) or Path(s).is_dir() or Path(s).suffix.lower() in LIST_SUFFIXES
+    folder = open_location(s, what="SRC").folder
+    return folder is None or folder.is_dir() or folder.suffix.lower() in LIST_SUFFIXES
 
 
 def _collection(src: str, classes: list[str], multilabel: bool, limit: int) -> Photos:
-    check_location(src, "SRC")
-    listed = is_url(src) and "." + src.rstrip("/").rsplit(".", 1)[-1].lower() in LIST_SUFFIXES
-    if not is_url(src) and not Path(src).exists():
+    where = open_location(src, what="SRC")
+    listed = where.folder is None and "." + src.rstrip("/").rsplit(".", 1)[-1].lower() in LIST_SUFFIXES
+    if where.folder is not None and not where.folder.exists():
         raise ConfigError(f"SRC {src} does not exist")
     try:
         source = discover(src, limit=limit, unlabelled=True)
@@ -73,31 +73,31 @@ def _collection(src: str, classes: list[str], multilabel: bool, limit: int) -> P
         return _labelled(source, note=f"labels from the class folders of {src}")
     note = (f"the folders of {src} are not the model's classes ({', '.join(classes[:5])}...): predicting without "
             f"labels") if source is not None else None
-    return _unlabelled_store(src, limit, note) if is_url(src) else _unlabelled_folder(Path(src), note)
+    return _unlabelled_store(where, limit, note) if where.folder is None else _unlabelled_folder(where, note)
 
 
 def _labelled(source: Source, note: str | None) -> Photos:
     """A source's items with their labels; its photos outside a class folder are predicted without one."""
     # a label set may be empty ("none of them"), a label of its own; a list of paths alone gives none
-    items = [Photo(photos.location(source.root, i.path), i.path, i.label if source.multilabel else i.label or None)
+    items = [Photo(source.files.join(i.path), i.path, i.label if source.multilabel else i.label or None)
              for i in source.items]
     unlabelled = [r for r in source.rejections if r.reason == "no-class"]
-    items += [Photo(photos.location(source.root, r.path), r.path, None) for r in unlabelled]
+    items += [Photo(source.files.join(r.path), r.path, None) for r in unlabelled]
     rejections = tuple(r for r in source.rejections if r.reason != "no-class")
-    return Photos(tuple(items), rejections, source.remote, (note,) * bool(note) + source.notes, source.ignored)
+    return Photos(tuple(items), rejections, source.files, (note,) * bool(note) + source.notes, source.ignored)
 
 
-def _unlabelled_folder(root: Path, note: str | None) -> Photos:
+def _unlabelled_folder(where, note: str | None) -> Photos:
+    root = where.folder
     files, rejections, ignored = files_below(root)
     items = [Photo(str(root / rel), rel, None) for rel in files]
     if not items:
         raise DataError(f"{root}: no files found to predict (hidden and system files are ignored)")
-    return Photos(tuple(items), tuple(rejections), None, (note,) * bool(note), ignored)
+    return Photos(tuple(items), tuple(rejections), where, (note,) * bool(note), ignored)
 
 
-def _unlabelled_store(url: str, limit: int, note: str | None) -> Photos:
-    url = url.rstrip("/")
-    remote = Remote(url)
+def _unlabelled_store(remote, limit: int, note: str | None) -> Photos:
+    url = remote.url
     items, rejections, ignored = [], [], 0
     for rel, size in remote.listing():
         if any(is_hidden(s) for s in rel.split("/")):
@@ -123,18 +123,18 @@ def _plain(rel: str) -> bool:
 
 
 # -- preparing one photo (in a worker process, or in this one) -----------------------------------------------
-_STATE: tuple[images.ImageSettings | None, int, Remote | None] | None = None
+_STATE: tuple | None = None  # (settings, the file size limit, SRC's location)
 
 
-def init_worker(settings: images.ImageSettings | None, limit: int, remote: Remote | None = None) -> None:
+def init_worker(settings: images.ImageSettings | None, limit: int, files=None) -> None:
     global _STATE
-    _STATE = (settings, limit, remote)
+    _STATE = (settings, limit, files)
 
 
 def prepare_one(where: str) -> bytes | images.Rejected:
     """The photo as a shard would store it (worker side): read at most the file size limit, then `prepare`."""
-    settings, limit, remote = _STATE
-    data = photos.read(where, limit, remote)
+    settings, limit, files = _STATE
+    data = photos.read(where, limit, files)
     return data if isinstance(data, images.Rejected) else prepare(data, settings)
 
 

@@ -117,7 +117,7 @@ def _chunks(found: photos.Photos, model: Model, cfg: PredictConfig, training: Tr
 
 def _prepared(found: photos.Photos, model: Model, cfg: PredictConfig, ahead: int):
     """Each photo as a shard would hold it (bytes), or its rejection; in order, from worker processes."""
-    initargs = (photos.settings_of(model.card), cfg.max_file_size, found.remote)
+    initargs = (photos.settings_of(model.card), cfg.max_file_size, found.files)
     photos.init_worker(*initargs)
     workers = photos.workers_for(cfg.workers)
     where = [p.where for p in found.items]

@@ -69,9 +69,10 @@ class RemoteError(DataError):
 class Remote:
     """A data set's folder in a store: `url` plus the options to reach it; one filesystem client per process."""
 
+    folder = None  # no folder on this machine: what is read is fetched (location.Folder has one)
+
     def __init__(self, url: str, storage_options: dict | None = None, *, timeout: float | None = None,
-                 attempts: int | None = None, base_delay: float = 0.25, inflight: int = 16, cache_dir=None,
-                 cache_limit: int | None = None):
+                 attempts: int | None = None, base_delay: float = 0.25, inflight: int = 16, cache=None):
         if not is_url(url):
             raise ConfigError(f"{redact(url)!r} is not a URL (expected e.g. s3://bucket/prefix)")
         self.url, self.options = check_url(url, "data set").rstrip("/"), dict(storage_options or {})
@@ -83,7 +84,7 @@ class Remote:
         # a server that trickles a byte at a time (each resetting the read timeout) still fails in bounded time
         self.min_rate = float(os.environ.get("FASTPIPE_REMOTE_MIN_RATE", 1 << 20))
         self.base_delay, self.inflight = base_delay, inflight
-        self.cache_dir, self.cache_limit = cache_dir, cache_limit  # where this node keeps its shards (cache.py)
+        self.cache = cache  # location.NodeCache: where this node keeps the shards it reads (cache.py); None: none
         self.counters = Counters()
         self._local = None  # (pid, fs, root path, pool): rebuilt in each process (workers fork or spawn)
         # Workers forked from a server process (fastpipe's once DALI is loaded: loaders/stream.py) have that
@@ -114,6 +115,15 @@ class Remote:
     def join(self, rel: str) -> str:
         """The URL of a file of this data set (`rel` as urls.check_relative allows: it cannot leave the folder)."""
         return f"{self.url}/{check_relative(rel, 'a path in ' + self.url)}"
+
+    @property
+    def identity(self) -> str:
+        """What names this location in records and cache keys (location.Folder's: its absolute path)."""
+        return self.url
+
+    def relative(self, where: str) -> str:
+        """The name inside this folder of one of its objects' URLs (join's inverse)."""
+        return where[len(self.url) + 1:] if where.startswith(self.url + "/") else where
 
     def cat(self, rel: str, limit: int = SMALL_OBJECT) -> bytes:
         """A whole object of at most `limit` bytes (a larger one is not read past it: ObjectTooLarge, the cause)."""
