@@ -199,6 +199,29 @@ def test_shards_on_the_hub_are_indexed_where_they_are_from_their_headers(hub, tm
     assert pinned == f"{base}@{hub.repos['timm/leafs-wds'].sha}"
 
 
+def test_shards_in_our_repository_are_indexed_beside_them_without_downloading_them(hub, tmp_path):
+    """`fastpipe index hf://.../*.tar` (no --out): the .idx files, previews, reader files and dataset.json go beside
+    the shards in one commit, from ranged reads of the tar headers; `--idx-only` rebuilds a lost index the same way.
+    The set reads as the same shards indexed locally."""
+    local = tmp_path / "local"
+    train, val = timm_style_shards(local, 3, 30), timm_style_shards(local, 1, 10, "val")
+    hub.create("org/wds", {p.name: p.read_bytes() for p in train + val})
+    base, total = "hf://datasets/org/wds", sum(p.stat().st_size for p in train + val)
+    before = len(hub.requests)
+    assert main(["index", *[f"{base}/{p.name}" for p in train + val], "--stats-samples", "3"]) == 0  # val by name
+    assert sum(r.sent for r in hub.requests[before:] if r.path.endswith(".tar")) < 0.4 * total
+    assert len(hub.repos["org/wds"].commits) == 2  # the shards', then the index's
+    assert {"dataset.json", "wids-train.json", "train-000000.idx", "val-000000.idx"} <= set(hub.repos["org/wds"].files)
+    assert main(["index", *map(str, train), *map(str, val), "--stats-samples", "3"]) == 0  # here, locally
+    theirs = epoch(make_loader(base, split="val", batch_size=4, image_size=32, with_keys=True, num_workers=0))
+    ours = epoch(make_loader(local, split="val", batch_size=4, image_size=32, with_keys=True, num_workers=0))
+    assert theirs[1] == ours[1] and (theirs[2] == ours[2]).all()
+    assert hub.repos["org/wds"].files["train-000001.idx"] == (local / "train-000001.idx").read_bytes()
+    before = len(hub.requests)
+    assert main(["index", "--idx-only", f"{base}/{train[1].name}"]) == 0
+    assert sum(r.sent for r in hub.requests[before:] if r.path.endswith(".tar")) < 0.4 * train[1].stat().st_size
+
+
 def test_an_index_of_their_shards_can_be_kept_in_a_repository_of_ours(hub, tmp_path):
     """--out another store's folder: the index files go there in one commit, their repository is untouched, and
     the set reads from there with the shards from theirs."""

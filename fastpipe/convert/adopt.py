@@ -1,20 +1,21 @@
-"""`fastpipe index URL/a.tar URL/b.tar ... --out PLACE`: foreign shards indexed where they are, in a store fastpipe
-need not write to (timm's `imagenet-1k-wds` on the Hugging Face Hub, a bucket of another team), with the manifest
-kept elsewhere: PLACE is a local folder or another store's folder.
+"""`fastpipe index URL/a.tar URL/b.tar ... [--out PLACE]`: foreign shards in a store indexed where they are. With
+--out, in a store fastpipe need not write to (timm's `imagenet-1k-wds` on the Hugging Face Hub, a bucket of another
+team), the manifest kept elsewhere: PLACE is a local folder or another store's folder. Without it, the `.idx`
+files, previews, reader files and dataset.json go beside the shards, as a local index writes them.
 
 No shard is downloaded whole: each is walked by its tar headers through `RangedFile` (a range from each header on,
 which holds a sample's small members and the next header), its labels read there, and only the images drawn for
-mean/std and the previews are fetched. The `.idx` files, previews and dataset.json go to PLACE; dataset.json names
-the shards' folder (`settings.shards_at`) and each shard by its name in it, and every reader takes the shards from
-there (dataset/loading.py). A shard's sha256 is the one the store lists (the Hub lists it for every LFS file);
-from a store that lists none, each shard is read once, streamed through sha256 and not kept (`settings.sha256_from`
-says which).
+mean/std and the previews are fetched. In PLACE, dataset.json names the shards' folder (`settings.shards_at`) and
+each shard by its name in it, and every reader takes the shards from there (dataset/loading.py). A shard's sha256
+is the one the store lists (the Hub lists it for every LFS file); from a store that lists none, each shard is read
+once, streamed through sha256 and not kept (`settings.sha256_from` says which).
 """
 
 from __future__ import annotations
 
 import hashlib
 import shutil
+import tempfile
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,30 +23,40 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from fastpipe.convert import previews
-from fastpipe.convert.foreign import MAX_CLASSES, MAX_STATS_IMAGE, IndexConfig, _classes, _Scan, build, scan_entries
+from fastpipe.convert import previews, readers
+from fastpipe.convert.foreign import (
+    MAX_CLASSES,
+    MAX_STATS_IMAGE,
+    IndexConfig,
+    _classes,
+    _Scan,
+    build,
+    scan_entries,
+    split_by_name,
+    users_reader_files,
+)
 from fastpipe.convert.publish import staging_folder, upload
 from fastpipe.dataset.loading import load
 from fastpipe.dataset.manifest import MANIFEST_NAME, Manifest, ShardInfo, save
 from fastpipe.dataset.shardformat import entry_line, index_tar, write_index
 from fastpipe.errors import ConfigError, DataError
 from fastpipe.store import hub
-from fastpipe.store.location import RangedFile
-from fastpipe.store.remote import Remote, is_url
-from fastpipe.store.urls import local_path
+from fastpipe.store.location import RangedFile, in_stores, place
+from fastpipe.store.remote import Remote
 
 HASH_PIECE = 8 << 20  # bytes per request when a shard is streamed through sha256
 AT_ONCE = 16  # shards walked at a time (each walk is a chain of requests, a round trip each; Remote.inflight)
 
 
 def index_where_they_are(cfg: IndexConfig, storage_options: dict | None = None) -> Manifest:
-    """Index the shards named in `cfg` (all in one store folder) into `cfg.out`; returns the manifest as read back."""
+    """Index the shards named in `cfg` (all in one store folder) into `cfg.out`, or beside them without it; returns
+    the manifest as read back."""
     urls = [str(u).rstrip("/") for u in [*cfg.train, *cfg.val]]
     prefix = urls[0].rsplit("/", 1)[0]
-    if any(u.rsplit("/", 1)[0] != prefix for u in urls) or not all(is_url(u) for u in urls):
-        raise ConfigError(f"shards in a store are indexed together when they are all in one folder (prefix): "
-                          f"{', '.join(urls[:3])}...")
-    if prefix.startswith("hf://"):  # someone else's repository: the index describes it as it is now
+    if any(u.rsplit("/", 1)[0] != prefix for u in urls) or len(in_stores(urls)) < len(urls):
+        raise ConfigError(f"shards in a store are indexed together when they are all in one folder (prefix)"
+                          f"{'' if cfg.out else ', where dataset.json will go'}: {', '.join(urls[:3])}...")
+    if prefix.startswith("hf://") and cfg.out:  # someone else's repository: the index describes it as it is now
         prefix = hub.pinned(prefix, storage_options or {})
     remote = Remote(prefix, storage_options)
     listed = {rel: (size, sha) for rel, size, sha in remote.listing(checksums=True)}
@@ -54,21 +65,24 @@ def index_where_they_are(cfg: IndexConfig, storage_options: dict | None = None) 
     if missing:
         raise ConfigError(f"{prefix}/{missing[0]}: no such shard ({len(missing)} of the {len(names)} named are not "
                           f"in the store's listing)")
-    out_url = str(cfg.out) if is_url(str(cfg.out)) else None
+    out_url = next(iter(in_stores([cfg.out], "--out")), None) if cfg.out else prefix
     out = _place(cfg, out_url, storage_options)
+    train, val, note = split_by_name(names[: len(cfg.train)], names[len(cfg.train):])
     classes = _classes(cfg)
     limit = len(classes) if classes else MAX_CLASSES
     found: dict[int, list] = defaultdict(list)
     scans, shards = {}, {}
-    cut = len(cfg.train)
-    for split, part, keep in (("train", names[:cut], cfg.stats_samples), ("val", names[cut:], 0)):
+    for split, part, keep in (("train", train, cfg.stats_samples), ("val", val, 0)):
         scans[split], shards[split] = _walk(remote, part, listed, out, keep, limit, found)
-    manifest = build(cfg, classes, scans, shards, out, {"shards_at": prefix,
-                                                        "sha256_from": _sha_source(listed, names)})
+    where = {"shards_at": prefix} if cfg.out else {}  # beside them, the shards are where dataset.json is
+    manifest = build(cfg, classes, scans, shards, out, {**where, "sha256_from": _sha_source(listed, names),
+                                                        **({"note": note} if note else {})})
     picked = previews._pick(found, manifest.classes, np.random.default_rng(0), 9)
     sheets = previews.draw(picked, manifest.classes, out / "previews",
                            lambda locs: remote.ranges([(rel, off, off + size) for rel, (off, size) in locs]))
     manifest.outputs["previews"] = {c: f"previews/{f}" for c, f in sheets.items()}
+    if not cfg.out:  # the reader files of a set in its own folder, as a local index writes them; the user's kept
+        manifest.outputs["readers"] = readers.write(manifest, out, keep=set(users_reader_files(remote)))
     save(manifest, out)
     if out_url:
         upload(out, Remote(out_url, storage_options))
@@ -84,10 +98,11 @@ def _place(cfg: IndexConfig, out_url: str | None, storage_options: dict | None) 
         out = staging_folder(out_url + "#index")
         shutil.rmtree(out, ignore_errors=True)
     else:
-        out = local_path(cfg.out, "--out")
+        out = place(cfg.out, "--out")
         taken = (out / MANIFEST_NAME).exists()
     if taken and not cfg.overwrite:
-        raise ConfigError(f"{cfg.out}/{MANIFEST_NAME} already describes a data set; add --overwrite to replace it")
+        raise ConfigError(f"{out_url or cfg.out}/{MANIFEST_NAME} already describes a data set; `fastpipe index` "
+                          f"would replace it: add --overwrite")
     out.mkdir(parents=True, exist_ok=True)
     return out
 
@@ -121,6 +136,26 @@ def _walk(remote: Remote, names: list[str], listed: dict, out: Path, keep: int, 
     return scan, infos
 
 
+def index_only_where_they_are(urls: list[str], storage_options: dict | None = None) -> int:
+    """`fastpipe index --idx-only URL/a.tar ...`: each shard's .idx from a walk of its tar headers, uploaded beside
+    it (nothing else is written, the shard is not downloaded). Returns the samples indexed."""
+    total = 0
+    with tempfile.TemporaryDirectory(prefix="fastpipe-idx-") as tmp:
+        for url in urls:
+            prefix, name = url.rstrip("/").rsplit("/", 1)
+            remote = Remote(prefix, storage_options)
+            size = dict(remote.listing()).get(name)
+            if size is None:
+                raise ConfigError(f"{url}: no such shard (not in the store's listing)")
+            fh = RangedFile(remote, name, size)
+            entries = index_tar(fh.name, fileobj=fh, size=size)
+            index = Path(tmp) / f"{Path(name).stem}.idx"
+            write_index(index, [entry_line(k, p) for k, p in entries])
+            remote.put_many([(index, index.name)])
+            total += len(entries)
+    return total
+
+
 def _streamed_sha256(remote: Remote, name: str, size: int) -> str:
     h = hashlib.sha256()
     for start in range(0, size, HASH_PIECE):
@@ -132,4 +167,4 @@ def _sha_source(listed: dict, names: list[str]) -> str:
     return "the store's listing" if all(listed[n][1] for n in names) else "each shard read once"
 
 
-__all__ = ["index_where_they_are"]
+__all__ = ["index_only_where_they_are", "index_where_they_are"]

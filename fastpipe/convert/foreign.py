@@ -7,8 +7,7 @@ refused here, naming the shard and member. No image is decoded (for mean/std or 
 passes imageguard.check (--max-pixels, recorded in dataset.json for the loaders, and the scan limit); one that does
 not, or does not decode, is left out, named in dataset.json (`settings.undecoded`) and said. `--idx-only` writes
 the `.idx` files and nothing else: the repair for a missing or damaged index that never touches a manifest. Shards
-already in a store (`index_to_url`, `index_only_urls`) are downloaded into publish.py's staging folder, indexed
-there, and the new files uploaded beside them.
+already in a store are walked where they are, by ranged reads of their tar headers (adopt.py).
 """
 
 from __future__ import annotations
@@ -16,19 +15,16 @@ from __future__ import annotations
 import contextlib
 import io
 import re
-import shutil
 from collections import Counter
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
 from fastpipe.convert import outputs, previews, readers
-from fastpipe.convert.publish import staging_folder, upload
 from fastpipe.dataset import imageguard
-from fastpipe.dataset.loading import load
 from fastpipe.dataset.manifest import MANIFEST_NAME, Components, Manifest, ShardInfo, SplitInfo, Stats, save
 from fastpipe.dataset.shardformat import (
     IMAGE_EXTS,
@@ -43,7 +39,8 @@ from fastpipe.dataset.shardformat import (
 )
 from fastpipe.errors import ConfigError, DataError
 from fastpipe.options import check, opt
-from fastpipe.store.remote import Remote, is_url
+from fastpipe.store.location import in_stores
+from fastpipe.store.remote import Remote
 from fastpipe.store.urls import local_path
 from fastpipe.util import FolderLock, parse_json
 
@@ -160,12 +157,21 @@ def _split_files(cfg: IndexConfig) -> tuple[list[Path], list[Path], str | None]:
     for p in train + val:
         if not p.is_file():
             raise ConfigError(f"{p}: no such shard file")
-    if val or cfg.idx_only:
+    if cfg.idx_only:
         return train, val, None
-    found = [p for p in train if VAL_NAME.search(p.name.split(".")[0])]
+    return split_by_name(train, val)
+
+
+def split_by_name(train: list, val: list) -> tuple[list, list, str | None]:
+    """(train, val, a note): without --val, the shards named like validation shards (a path or a name each) form
+    the val split, when some of them are and some are not."""
+    if val:
+        return train, val, None
+    found = [p for p in train if VAL_NAME.search(PurePosixPath(str(p)).name.split(".")[0])]
     if found and len(found) < len(train):
         return [p for p in train if p not in found], found, f"{len(found)} shards named like validation shards " \
-                                                            f"({found[0].name}, ...) form the val split"
+                                                            f"({PurePosixPath(str(found[0])).name}, ...) form the " \
+                                                            f"val split"
     return train, val, None
 
 
@@ -209,7 +215,7 @@ def _users_files(out: Path, names: list[str]) -> set[str]:
     return {p.name for p in outputs.foreign_conflicts(out, [], owned, names)}
 
 
-def _users_reader_files(remote: Remote) -> list[str]:
+def users_reader_files(remote: Remote) -> list[str]:
     """Reader files (convert/readers.py) in the store that no dataset.json of ours there lists: the user's."""
     ours = []
     if remote.exists(MANIFEST_NAME):
@@ -229,8 +235,8 @@ def index_only(paths: list[Path]) -> int:
 
 
 def index_shards(cfg: IndexConfig) -> Manifest:
-    if any(is_url(str(p)) for p in [*cfg.train, *cfg.val]):
-        return index_to_url(cfg)
+    if in_stores([*cfg.train, *cfg.val]):  # walked where they are: adopt.index_where_they_are
+        raise ConfigError("index_shards takes local shards; shards in a store: adopt.index_where_they_are")
     train, val, note = _split_files(cfg)
     out = local_path(cfg.out, "--out") if cfg.out else train[0].parent
     shard_paths = {_inside(p, out) for p in train + val}
@@ -268,52 +274,3 @@ def build(cfg: IndexConfig, names, scans: dict[str, _Scan], shards: dict[str, li
                     Components(image=image_ext, label=label_ext, label_bin=None, meta=None), out)
 
 
-def index_to_url(cfg: IndexConfig, storage_options: dict | None = None) -> Manifest:
-    """`fastpipe index URL/a.tar URL/b.tar ...`: foreign shards already in a store. Each is downloaded once into a
-    staging folder (a tar is read whole to index it), indexed there, and the `.idx` files, previews and
-    dataset.json (last) are uploaded beside the shards, which are not rewritten."""
-    urls = [str(u).rstrip("/") for u in [*cfg.train, *cfg.val]]
-    prefix = urls[0].rsplit("/", 1)[0]
-    if any(u.rsplit("/", 1)[0] != prefix for u in urls) or not all(is_url(u) for u in urls):
-        raise ConfigError(f"shards in a store are indexed together when they are all in one folder (prefix), "
-                          f"where dataset.json will go: {', '.join(urls[:3])}...")
-    if cfg.out or cfg.idx_only:  # --out: convert.adopt.index_where_they_are
-        raise ConfigError("--idx-only takes local shards; shards in a store get their dataset.json and .idx files "
-                          "beside them, or in --out (adopt.index_where_they_are)")
-    remote = Remote(prefix, storage_options)
-    if remote.exists(MANIFEST_NAME) and not cfg.overwrite:
-        raise ConfigError(f"{prefix}/{MANIFEST_NAME} already describes a data set; `fastpipe index` would replace "
-                          f"it: add --overwrite")
-    staging = staging_folder(prefix + "#index")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    names = [u.rsplit("/", 1)[1] for u in urls]
-    theirs = _users_reader_files(remote)
-    remote.get_many([(n, staging / n) for n in names + theirs])  # theirs: kept by index_shards, as in a folder
-    local = replace(cfg, train=[staging / n for n in names[: len(cfg.train)]],
-                    val=[staging / n for n in names[len(cfg.train):]])
-    index_shards(local)
-    upload(staging, remote, skip=set(names + theirs))
-    shutil.rmtree(staging)
-    return load(prefix, storage_options)  # the manifest as the store now has it
-
-
-def index_only_urls(urls: list[str], storage_options: dict | None = None) -> int:
-    """`fastpipe index --idx-only URL/a.tar ...`: each shard downloaded once into a staging folder, indexed, and
-    its .idx uploaded beside it (nothing else is written). Returns the samples indexed."""
-    staging = staging_folder("#idx-only " + " ".join(urls))
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    total = 0
-    try:
-        for url in urls:
-            prefix, name = url.rstrip("/").rsplit("/", 1)
-            remote = Remote(prefix, storage_options)
-            remote.get_many([(name, staging / name)])
-            total += index_only([staging / name])
-            idx = index_path_for(staging / name)
-            remote.put_many([(idx, idx.name)])
-            (staging / name).unlink()
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return total
