@@ -31,7 +31,7 @@ class OptionalBuildExt(build_ext):
 
 
 setup(
-    ext_modules=[Extension("fastpipe._jpegcrop", ["fastpipe/_jpegcrop.c"], libraries=["jpeg"],
-                           optional=True)],
+    ext_modules=[Extension("fastpipe._jpegcrop", ["fastpipe/_jpegcrop.c"], depends=["fastpipe/_trainchunk.c"],
+                           libraries=["jpeg"], optional=True)],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -68,7 +68,8 @@ def profile(shards: str, epochs: int) -> dict:
 
 def gil_held(shards: str, epochs: int) -> dict:
     """µs per image the worker's path holds the GIL: its wall time less the time inside the calls that release it
-    (the crop decoder's decode, simplejpeg's, OpenCV's resize and flip), timed by wrapping them; no profiler. What
+    (the crop decoder's decode and its training chunks, simplejpeg's decode, OpenCV's resize and flip), timed by
+    wrapping them; no profiler. What
     worker threads cannot run in parallel, and where they queue on the GIL."""
     import time
 
@@ -89,7 +90,7 @@ def gil_held(shards: str, epochs: int) -> dict:
     loader = make_loader(shards, "torch", batch_size=64, image_size=224, num_workers=0, device="cpu",
                          normalize=False)
     targets = [(cpu_ops.cv2, "resize"), (cpu_ops.cv2, "flip"), (cpu_ops.simplejpeg, "decode_jpeg")]
-    targets += [(jpegcrop.ext, "decode"), (jpegcrop.ext, "header")] if jpegcrop.ext is not None else []
+    targets += [(jpegcrop.ext, n) for n in ("decode", "header", "train_chunk") if hasattr(jpegcrop.ext, n)]
 
     def run():
         n = 0

@@ -18,6 +18,9 @@
  *     own tools refuse one (djpeg -maxscans): a progress monitor stops the decoder when it reaches the next scan, so
  *     a file that repeats its scans thousands of times costs max_scans passes at most.
  *
+ * train_chunk(images, states, size, min_scale, out, max_pixels, max_scans, fixed_4x2) -> status
+ *     A chunk of training samples decoded, cropped, resized and flipped in one call (_trainchunk.c).
+ *
  * Errors: every libjpeg error, and every libjpeg warning (corrupt data it would paper over with grey), raises
  * jpegcrop.Error (a ValueError) through setjmp/longjmp: the process never exits. The GIL is released while
  * decoding; each call has its own decompressor, so threads may call it concurrently.
@@ -306,12 +309,18 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     return Py_BuildValue("II", j.dx, j.stride);
 }
 
+/* The training samples' whole path, a chunk of them a call (its own file: the draws and the resize). */
+#include "_trainchunk.c"
+
 static PyMethodDef methods[] = {
     {"header", header, METH_VARARGS,
      "header(data) -> (width, height, colorspace, progressive, arithmetic, sampling)"},
     {"decode", decode, METH_VARARGS,
      "decode(data, denom, x0, y0, x1, y1, out, max_scans) -> (dx, stride): the box of the 1/denom-scaled image, RGB, "
      "into out"},
+    {"train_chunk", train_chunk, METH_VARARGS,
+     "train_chunk(images, states, size, min_scale, out, max_pixels, max_scans, fixed_4x2) -> status: each training "
+     "sample's draws, box decode, INTER_LINEAR resize and flip into out[i] (status 0), or 1 for the Python path"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "fastpipe._jpegcrop",

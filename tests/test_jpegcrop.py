@@ -202,6 +202,70 @@ def test_damaged_files_raise_a_clean_error():
         jpegcrop.ext.decode(data, 1, 0, 0, 10, 10, np.empty(100, np.uint8), 500)
 
 
+def _cmyk() -> bytes:
+    buf = io.BytesIO()
+    Image.new("CMYK", (120, 90), (10, 200, 30, 0)).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+@built
+def test_a_chunk_of_training_samples_is_the_python_paths_bit_for_bit():
+    """train_chunk (the loader's training path with the crop decoder: draws, box decode, OpenCV's INTER_LINEAR
+    resize and the flip in C, without the GIL) against cpu_ops.decode_train with the same generator: every JPEG
+    kind, from thumbnails to camera size, DCT-scaled and not. What it does not take (not a JPEG, cut short, corrupt,
+    CMYK, over max_pixels, a box INTER_AREA shrinks) comes back for the Python path, its slot untouched."""
+    from fastpipe.loaders.rng import SampleRng
+
+    rng = np.random.default_rng(0)
+    good = [photo(list(KINDS)[i % len(KINDS)], *map(int, rng.integers(24, 1400, 2)), seed=i) for i in range(42)]
+    corrupt = bytearray(good[1])
+    corrupt[len(corrupt) // 3 : -2] = rng.bytes(len(corrupt) - 2 - len(corrupt) // 3)
+    bad = [b"", b"not a jpeg at all", good[0][: len(good[0]) // 2], bytes(corrupt), _cmyk()]
+    images = good + bad
+    taken = set()
+    for size, min_scale in ((224, 0.08), (64, 0.5), (161, 1.0), (24, 0.08)):
+        states = SampleRng.states((size, 3), np.arange(len(images)) * 7)
+        out = np.full((len(images), size, size, 3), 7, np.uint8)
+        status = jpegcrop.train_chunk(images, states, size, min_scale, out, 10**9)
+        assert status.tolist()[-len(bad):] == [1] * len(bad)
+        for i, data in enumerate(images[: len(good)]):
+            if status[i] == 0:
+                taken.add(i)
+                want = cpu_ops.decode_train(data, size, SampleRng.at(states[i]), min_scale, decoder="crop")
+                assert np.array_equal(out[i], want), (size, i)
+            else:
+                assert (out[i] == 7).all()  # the Python path decides: an INTER_AREA shrink, here
+        assert sum(status[: len(good)] == 0) > 0
+    assert len(taken) == len(good)  # every good file taken at some size
+    small = np.zeros((1, 32, 32, 3), np.uint8)
+    assert jpegcrop.train_chunk(good[:1], SampleRng.states((0, 0), [0]), 32, 0.08, small, 10).tolist() == [1]
+    with pytest.raises(ValueError, match="lengths"):
+        jpegcrop.train_chunk(good[:2], SampleRng.states((0, 0), [0]), 32, 0.08, small, 10**9)
+
+
+@built
+def test_a_chunk_never_writes_wrong_pixels_from_damaged_bytes():
+    """Random damage anywhere in a file: the chunk decodes it as the Python path does, or hands it back."""
+    from fastpipe.loaders.rng import SampleRng
+
+    rng = np.random.default_rng(1)
+    base = [photo(kind, 301, 227, seed=i) for i, kind in enumerate(KINDS)]
+    damaged = []
+    for i in range(70):
+        data = bytearray(base[i % len(base)])
+        for _ in range(int(rng.integers(1, 6))):
+            at = int(rng.integers(2, len(data) - 2))
+            data[at : at + int(rng.integers(1, 9))] = rng.bytes(min(8, len(data) - 2 - at))[: len(data) - 2 - at]
+        damaged.append(bytes(data[: len(base[i % len(base)])]))
+    states = SampleRng.states((5, 0), np.arange(len(damaged)))
+    out = np.zeros((len(damaged), 48, 48, 3), np.uint8)
+    status = jpegcrop.train_chunk(damaged, states, 48, 0.08, out, 10**9)
+    for i in np.flatnonzero(status == 0).tolist():
+        want = cpu_ops.decode_train(damaged[i], 48, SampleRng.at(states[i]), decoder="crop")
+        assert np.array_equal(out[i], want)
+    assert (status == 1).any()
+
+
 @built
 def test_absurd_dimensions_are_refused_before_allocating():
     data = bytearray(photo(w=64, h=48))
@@ -263,8 +327,12 @@ def test_an_epoch_is_what_the_full_decode_path_gives(converted, backend, monkeyp
         keys, labels, images = zip(*[(k, y, x) for x, y, k in loader])
         return keys, torch.cat(labels), torch.cat(images), loader.describe()["decoder"]
 
+    chunks = []
+    real = jpegcrop.ext.train_chunk
+    monkeypatch.setattr(jpegcrop.ext, "train_chunk", lambda images, *a: chunks.append(len(images)) or real(images, *a))
     crop = epoch(1)
     assert "crop-aware" in crop[3]
+    assert (sum(chunks) == sum(map(len, crop[0]))) == (backend == "torch")  # the torch backend's samples, in chunks
     assert all(torch.equal(a, b) for a, b in zip(crop[1:3], epoch(1)[1:3]))  # deterministic
     monkeypatch.setattr(jpegcrop, "ext", None)
     full = epoch(1)

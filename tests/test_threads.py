@@ -17,7 +17,7 @@ from test_loaders import KW
 
 from fastpipe import make_loader
 from fastpipe.errors import ConfigError
-from fastpipe.loaders import cpu_ops
+from fastpipe.loaders import cpu_ops, jpegcrop
 from fastpipe.loaders.prepare import CpuDecode
 from fastpipe.loaders.threads import running
 
@@ -105,6 +105,8 @@ def test_the_threads_share_each_batch(converted, monkeypatch):
         return real_decode(self, *a)
 
     monkeypatch.setattr(CpuDecode, "_decode", decode)
+
+    monkeypatch.setattr(jpegcrop, "chunked", lambda: False)  # every sample through _decode
     loader = make_loader(converted, num_workers=2, threads=True, **{**KW, "batch_size": 16, "split": "val"})
     it = iter(loader)
     next(it)
@@ -209,6 +211,8 @@ def test_the_earliest_bad_sample_of_a_batch_is_the_one_named_whichever_thread_fa
         return real(self, image, *a)
 
     monkeypatch.setattr(CpuDecode, "_decode", decode)
+
+    monkeypatch.setattr(jpegcrop, "chunked", lambda: False)  # every sample through _decode
     loader = make_loader(converted, num_workers=2, threads=True, on_error="raise",
                          **{**KW, "batch_size": 2 * CHUNK, "split": "val"})
     with pytest.raises(DataError) as said:
@@ -253,6 +257,8 @@ def test_ctrl_c_while_the_threads_decode_stops_them_all(converted, monkeypatch):
         return real(self, *a)
 
     monkeypatch.setattr(CpuDecode, "_decode", held)
+
+    monkeypatch.setattr(jpegcrop, "chunked", lambda: False)  # every sample through _decode
     main = threading.main_thread().ident
 
     def interrupt():

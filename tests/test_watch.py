@@ -11,6 +11,7 @@ import torch
 
 import fastpipe
 from fastpipe.errors import ConfigError, FastpipeWarning
+from fastpipe.loaders import jpegcrop
 from fastpipe.loaders.prepare import CpuDecode
 
 
@@ -65,6 +66,8 @@ def slow_decode(monkeypatch):
         return real(self, *args)
 
     monkeypatch.setattr(CpuDecode, "_decode", slowed)
+
+    monkeypatch.setattr(jpegcrop, "chunked", lambda: False)  # every sample through _decode
 
 
 @pytest.mark.parametrize("workers,threads", [(0, None), (2, True), (2, False)])
@@ -226,6 +229,8 @@ def test_the_leading_stage_compares_the_workers_share_with_the_training_processs
         return real_device(self, batch)
 
     monkeypatch.setattr(CpuDecode, "_decode", decode)
+
+    monkeypatch.setattr(jpegcrop, "chunked", lambda: False)  # every sample through _decode
     monkeypatch.setattr(Loader, "_to_device", to_device)
     loader = fastpipe.make_loader(converted, batch_size=4, image_size=32, device="cpu", num_workers=2, threads=True)
     s = run(fastpipe.watch(loader, warmup=2))

@@ -56,6 +56,7 @@ def scaled_crops(sampling) -> bool:
     return ratios <= (SCALED_CROPS | {(4, 2), (2, 4)} if crops_fixed() else SCALED_CROPS)
 
 
+@functools.cache
 def crops_fixed() -> bool:
     """Whether the libjpeg-turbo in use is one that scales 4x2 and 2x4 crops right (FIXED_IN or later)."""
     return tuple(int(x) for x in (runtime_version() or "0").split(".")) >= FIXED_IN
@@ -125,6 +126,22 @@ def scale_for(w: int, h: int, box, size: int, sampling=((1, 1),)) -> int:
         return 1
     need_w, need_h = math.ceil(w * size / bw), math.ceil(h * size / bh)  # what the full-decode path asks for
     return next((d for d in SCALES if -(-w // d) >= need_w and -(-h // d) >= need_h), 1)
+
+
+def chunked() -> bool:
+    """Whether training samples go through train_chunk (an extension built before it existed has not got it)."""
+    return ext is not None and hasattr(ext, "train_chunk")
+
+
+def train_chunk(images, states: np.ndarray, size: int, min_scale: float, out: np.ndarray, max_pixels: int
+                ) -> np.ndarray:
+    """Training samples decoded as cpu_ops.decode_train decodes them with the crop decoder and SampleRng.at(state),
+    bit for bit (crop draws, box decode, OpenCV's INTER_LINEAR resize, flip), straight into out[i] (uint8, n x size x
+    size x 3, C-contiguous), in one call that runs without the GIL. Returns each sample's status: 0 done, 1 for the
+    Python path (a file this path does not take, a decoding error, a box OpenCV shrinks with INTER_AREA)."""
+    status = ext.train_chunk(images, np.ascontiguousarray(states, np.uint64), size, min_scale, out, max_pixels,
+                             MAX_SCANS, crops_fixed())
+    return np.frombuffer(status, np.uint8)
 
 
 def decode_box(data, denom: int, box) -> np.ndarray:

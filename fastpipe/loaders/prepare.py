@@ -23,7 +23,7 @@ import torch
 
 from fastpipe.dataset.imageguard import DEFAULT_MAX_PIXELS
 from fastpipe.errors import DataError
-from fastpipe.loaders import cpu_ops
+from fastpipe.loaders import cpu_ops, jpegcrop
 from fastpipe.loaders.batch import BufferPool, HostBatch
 from fastpipe.loaders.config import LoaderConfig
 from fastpipe.loaders.rng import SampleRng
@@ -74,7 +74,7 @@ class _Job:
     buffer: torch.Tensor
     slot: int
     pixels: np.ndarray
-    rngs: list
+    states: np.ndarray | None  # each train sample's generator state (SampleRng.states); None for val
     ok: list[bool]
     failures: list[str | None]
     decode_s: list[float]  # each part's time (parts may run in several threads at once)
@@ -85,6 +85,10 @@ class CpuDecode(_Prepare):
                  max_pixels: int = DEFAULT_MAX_PIXELS):
         super().__init__(cfg, num_classes, multilabel, max_pixels)
         self.buffers = buffers
+        # training samples through the crop decoder's C path, a part of a batch a call, without the GIL; it takes the
+        # files the Python path would give the crop decoder and hands back the others, so the pixels are the same
+        self.chunked = (self.train and cfg.cpu_decoder in ("auto", "crop") and cpu_ops.cv2 is not None
+                        and jpegcrop.chunked())
 
     def __call__(self, raw: RawBatch, positions, epoch: int) -> HostBatch:
         job = self.begin(raw, positions, epoch)
@@ -97,16 +101,22 @@ class CpuDecode(_Prepare):
         buffer, slot = self.buffers.take()
         n = len(raw)
         # one view per batch: a tensor index + .numpy() per image showed in the profile
-        return _Job(raw, positions, epoch, buffer, slot, buffer.numpy(), self.rngs(epoch, positions), [False] * n,
-                    [None] * n, [])
+        states = SampleRng.states((self.cfg.seed, epoch), positions) if self.train else None
+        return _Job(raw, positions, epoch, buffer, slot, buffer.numpy(), states, [False] * n, [None] * n, [])
 
     def part(self, job: _Job, lo: int, hi: int, shards=None) -> None:
         """Samples lo..hi of the batch; `shards`: the ShardSet to fetch a sample again through (its own maps)."""
-        images, rngs, pixels, ok = job.raw.images, job.rngs, job.pixels, job.ok  # the per-sample loop: locals
+        images, states, pixels, ok = job.raw.images, job.states, job.pixels, job.ok  # the per-sample loop: locals
         start = time.perf_counter()
-        for i in range(lo, hi):
+        todo = range(lo, hi)
+        if self.chunked and hi > lo:
+            status = jpegcrop.train_chunk(images[lo:hi], states[lo:hi], self.cfg.image_size, self.cfg.min_scale,
+                                          pixels[lo:hi], self.max_pixels)
+            ok[lo:hi] = (status == 0).tolist()
+            todo = (lo + np.flatnonzero(status)).tolist()
+        for i in todo:
             try:
-                self._decode(images[i], rngs[i], pixels[i])
+                self._decode(images[i], SampleRng.at(states[i]) if states is not None else None, pixels[i])
                 ok[i] = True
             except Exception as e:  # any decoder failure is this sample's problem, reported with its key
                 said: list[str] = []

@@ -43,11 +43,25 @@ class SampleRng:
     def __init__(self, *key: int):
         self._s, self._ready = _state(key), None
 
+    @staticmethod
+    def states(key: tuple[int, ...], positions) -> np.ndarray:
+        """The state each SampleRng(*key, p) starts from, as uint64: what the crop decoder's C path draws from
+        (jpegcrop.train_chunk)."""
+        with np.errstate(over="ignore"):
+            return _mix_np((np.uint64(_state(key)) ^ np.asarray(positions).astype(np.uint64)) + np.uint64(_GAMMA))
+
+    @classmethod
+    def at(cls, state) -> SampleRng:
+        """The generator whose state is `state` (one of `states`): the same numbers as SampleRng(*key, p)."""
+        r = cls.__new__(cls)
+        r._s, r._ready = int(state), None
+        return r
+
     @classmethod
     def batch(cls, key: tuple[int, ...], positions: np.ndarray, draws: int = 8) -> list[SampleRng]:
         """[SampleRng(*key, p) for p in positions], each with its first `draws` numbers computed at once."""
+        s = cls.states(key, positions)
         with np.errstate(over="ignore"):
-            s = _mix_np((np.uint64(_state(key)) ^ np.asarray(positions).astype(np.uint64)) + np.uint64(_GAMMA))
             steps = s[:, None] + np.arange(1, draws + 1, dtype=np.uint64) * np.uint64(_GAMMA)
             values = (_mix_np(steps) >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
         out = []

@@ -101,6 +101,9 @@ class ShardSet:
         self.sizes = np.zeros((n, 3), np.int64)
         self.keys: list[str] = []
         self.cache = None
+        # each single-label sample's label once read (-1: not yet): later epochs gather a batch's labels in one step,
+        # not per shard. Per process (each worker process fills its own), a few bytes a sample.
+        self.known = None if self.multilabel else np.full(n, -1, np.int64)
         self.fetch_wait_s = 0.0  # waited for a fetch ahead (prefetch.fetched_ahead) since the last read
         if self.files.cache is not None:
             self._check_remote(manifest, info)
@@ -234,6 +237,8 @@ class ShardSet:
         s = int(self.shard_of(i))
         self.cache.forget(s, np.array([i - int(self.starts[s])]))
         ids, shards = np.array([i]), np.array([s])
+        if self.known is not None:
+            self.known[i] = -1  # read from the damaged copy, maybe: read again
         self.fetch(ids, shards)
         label = self.labels(ids, shards, self.offsets[ids, 1], self.sizes[ids, 1])[0]
         return self._view(s, int(self.offsets[i, 0]), int(self.sizes[i, 0])), label
@@ -267,6 +272,16 @@ class ShardSet:
         """The batch's label tensor. Binary `.lbl` records (what the converter writes) are gathered from the memory
         maps in one step per shard; text labels (foreign shards) or a record of the wrong size are decoded one by
         one, so that a bad one is named."""
+        if self.known is not None:
+            seen = self.known[ids]
+            if (seen >= 0).all():
+                return torch.from_numpy(seen)
+        labels = self._labels(ids, shards, offsets, sizes)
+        if self.known is not None:
+            self.known[ids] = labels.numpy()
+        return labels
+
+    def _labels(self, ids: np.ndarray, shards: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> torch.Tensor:
         width = self.num_classes if self.multilabel else 4
         if self.label_ext != "lbl" or not (sizes == width).all():
             labels = [self.label(int(i), int(s), self._bytes(int(s), int(o), int(n)))
