@@ -4,6 +4,8 @@ reading, labels) and batch assembly.
 
     python benchmarks/profile_worker.py --shards OUT [--epochs 6] [--json bench-results/worker-profile.json]
     python benchmarks/profile_worker.py --shards OUT --gil   # the share of it that holds the GIL (worker threads)
+    python benchmarks/profile_worker.py --shards OUT --gil --rounds 5   # the C training path against the Python
+                                                                         # one, interleaved, medians
 
 cProfile adds a fixed cost per Python call, so the Python-heavy groups (machinery, draws) read high; the split is
 what to optimise next, the loaders' speed comes from bench_loaders.py and bench_peers.py.
@@ -114,14 +116,50 @@ def gil_held(shards: str, epochs: int) -> dict:
             "gil_held_us_per_image": 1e6 * (wall - inside[0]) / images, "gil_held_share": 1 - inside[0] / wall}
 
 
+def paths_compared(shards: str, epochs: int, rounds: int) -> dict:
+    """gil_held with the C training path and with the Python per-sample path (jpegcrop.chunked off), alternating,
+    each round in a shuffled order; medians and ranges of each, and the paired ratios."""
+    import platform
+    import random
+    import statistics
+
+    from fastpipe.loaders import jpegcrop
+
+    real, runs = jpegcrop.chunked, {"C chunk": [], "Python per sample": []}
+    for _ in range(rounds):
+        for name in random.sample(list(runs), 2):
+            jpegcrop.chunked = real if name == "C chunk" else (lambda: False)
+            runs[name].append(gil_held(shards, epochs))
+        jpegcrop.chunked = real
+    out = {"machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads", "rounds": rounds}
+    for name, rs in runs.items():
+        for key in ("us_per_image", "gil_held_us_per_image", "gil_held_share"):
+            vals = [r[key] for r in rs]
+            out[f"{name}: {key}"] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+    c, p = runs["C chunk"], runs["Python per sample"]
+    out["time per image, C ÷ Python (paired)"] = statistics.median(
+        a["us_per_image"] / b["us_per_image"] for a, b in zip(c, p))
+    for name in runs:
+        m = out[f"{name}: gil_held_share"]
+        print(f"{name}: {out[f'{name}: us_per_image']['median']:.0f} µs an image, "
+              f"{out[f'{name}: gil_held_us_per_image']['median']:.1f} µs ({m['median']:.1%}, {m['min']:.1%}–"
+              f"{m['max']:.1%}) hold the GIL")
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shards", required=True)
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--json", default=None)
     ap.add_argument("--gil", action="store_true", help="the GIL's share instead: µs per image that hold it")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="with --gil: the crop decoder's C training path (train_chunk) and its Python per-sample path, "
+                         "alternately, this many rounds")
     a = ap.parse_args(argv)
-    if a.gil:
+    if a.gil and a.rounds:
+        res = paths_compared(a.shards, a.epochs, a.rounds)
+    elif a.gil:
         res = gil_held(a.shards, a.epochs)
         print(f"{res['images']} images, {res['us_per_image']:.0f} µs each, of which {res['gil_held_us_per_image']:.1f}"
               f" µs ({res['gil_held_share']:.1%}) hold the GIL")

@@ -101,8 +101,7 @@ class ShardSet:
         self.sizes = np.zeros((n, 3), np.int64)
         self.keys: list[str] = []
         self.cache = None
-        # each single-label sample's label once read (-1: not yet): later epochs gather a batch's labels in one step,
-        # not per shard. Per process (each worker process fills its own), a few bytes a sample.
+        # each single-label sample's label once read (-1: not yet), per process: later epochs gather them in one step
         self.known = None if self.multilabel else np.full(n, -1, np.int64)
         self.fetch_wait_s = 0.0  # waited for a fetch ahead (prefetch.fetched_ahead) since the last read
         if self.files.cache is not None:
@@ -272,10 +271,9 @@ class ShardSet:
         """The batch's label tensor. Binary `.lbl` records (what the converter writes) are gathered from the memory
         maps in one step per shard; text labels (foreign shards) or a record of the wrong size are decoded one by
         one, so that a bad one is named."""
-        if self.known is not None:
-            seen = self.known[ids]
-            if (seen >= 0).all():
-                return torch.from_numpy(seen)
+        seen = self.known[ids] if self.known is not None else None
+        if seen is not None and (seen >= 0).all():
+            return torch.from_numpy(seen)
         labels = self._labels(ids, shards, offsets, sizes)
         if self.known is not None:
             self.known[ids] = labels.numpy()
