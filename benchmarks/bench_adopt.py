@@ -15,7 +15,6 @@ runs in a process of its own.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import shutil
@@ -37,31 +36,6 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def make_shards(folder: Path, shards: int, per_shard: int) -> list[Path]:
-    import tarfile
-
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    folder.mkdir(parents=True)
-    paths = []
-    for s in range(shards):
-        path = folder / f"train-{s:06d}.tar"
-        with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tf:
-            for i in range(per_shard):
-                k = s * per_shard + i
-                buf = io.BytesIO()
-                Image.fromarray(rng.integers(0, 256, (375, 500, 3), dtype=np.uint8)).save(buf, "JPEG", quality=90)
-                meta = json.dumps({"filename": f"n{k:08d}.JPEG", "label": k % 10}).encode()
-                for ext, data in (("jpg", buf.getvalue()), ("cls", str(k % 10).encode()), ("json", meta)):
-                    info = tarfile.TarInfo(f"{k:08d}.{ext}")
-                    info.size = len(data)
-                    tf.addfile(info, io.BytesIO(data))
-        paths.append(path)
-    return paths
-
-
 def serve(folder: str, latency: float, ready) -> None:
     """The Hub, in a process of its own (in this one, its Python would compete with the client's for the GIL)."""
     from fastpipe.testing.hubserver import Hub, serve_hub
@@ -79,14 +53,25 @@ def requests(endpoint: str) -> list[dict]:
         return json.loads(r.read())
 
 
+IMAGENET_1K = 1_281_167  # training samples: the walk's time projected to timm's imagenet-1k-wds at this rate
+
+
+def _cpu() -> float:
+    """This process's CPU seconds, every thread's, user and system."""
+    t = os.times()
+    return t.user + t.system
+
+
 def main(args) -> dict:
     import multiprocessing
 
     from fastpipe.cli import main as cli
     from fastpipe.store.remote import Remote
+    from fastpipe.testing.wds import timm_style_shards
 
     base = Path(tempfile.mkdtemp(prefix="fp-adopt-"))
-    paths = make_shards(base / "local", args.shards, args.per_shard)
+    paths = timm_style_shards(base / "local", args.shards, args.per_shard, side=(375, 500), classes=10,
+                              show_class=False)
     ready = multiprocessing.get_context("spawn").Queue()
     server = multiprocessing.get_context("spawn").Process(target=serve, args=(str(base / "local"), args.latency,
                                                                                ready), daemon=True)
@@ -98,12 +83,13 @@ def main(args) -> dict:
         urls = [f"hf://datasets/timm/bench-wds/{p.name}" for p in paths]
         runs = {"walk": [], "download": []}
         for r in range(args.rounds):
-            before, t = len(requests(endpoint)), time.perf_counter()
+            before, t, cpu = len(requests(endpoint)), time.perf_counter(), _cpu()
             out = base / f"idx-{r}"
             assert cli(["index", *urls, "--out", str(out), "--stats-samples", str(args.stats_samples)]) == 0
-            seconds = time.perf_counter() - t
+            seconds, cpu = time.perf_counter() - t, _cpu() - cpu
             reads = [q["sent"] for q in requests(endpoint)[before:] if q["path"].endswith(".tar")]
-            runs["walk"].append({"s": seconds, "requests": len(reads), "bytes": sum(reads)})
+            runs["walk"].append({"s": seconds, "requests": len(reads), "bytes": sum(reads),
+                                 "client_cpu_ms_per_request": 1000 * cpu / max(1, len(reads))})
             t = time.perf_counter()
             Remote("hf://datasets/timm/bench-wds").get_many([(p.name, base / f"dl-{p.name}") for p in paths])
             runs["download"].append({"s": time.perf_counter() - t, "bytes": total})
@@ -115,7 +101,8 @@ def main(args) -> dict:
                 "stats_samples": args.stats_samples, "rounds": args.rounds, "runs": runs, "median": med,
                 "walk_bytes_share": med["walk"]["bytes"] / total,
                 "walk_requests_per_sample": med["walk"]["requests"] / samples,
-                "walk_seconds_per_1000_samples": 1000 * med["walk"]["s"] / samples}
+                "walk_seconds_per_1000_samples": 1000 * med["walk"]["s"] / samples,
+                "imagenet_1k_walk_minutes": IMAGENET_1K * med["walk"]["s"] / samples / 60}
     finally:
         server.kill()
         shutil.rmtree(base, ignore_errors=True)
@@ -130,7 +117,8 @@ if __name__ == "__main__":
     print(f"  header walk: {m['walk']['s']:.2f} s, {m['walk']['requests']:.0f} requests "
           f"({res['walk_requests_per_sample']:.2f} a sample), {m['walk']['bytes'] / 2**20:.1f} MB "
           f"({100 * res['walk_bytes_share']:.1f} % of the shards); {res['walk_seconds_per_1000_samples']:.2f} s per "
-          f"1000 samples")
+          f"1000 samples; {m['walk']['client_cpu_ms_per_request']:.1f} ms of this process's CPU a request; "
+          f"ImageNet-1k's training set at this rate: {res['imagenet_1k_walk_minutes']:.0f} minutes")
     print(f"  whole download: {m['download']['s']:.2f} s, {m['download']['bytes'] / 2**20:.0f} MB")
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(res, indent=1))

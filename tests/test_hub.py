@@ -4,16 +4,12 @@ HTTP API as huggingface_hub calls it (fastpipe/testing/hubserver.py), selected w
 
 from __future__ import annotations
 
-import io
-import json
 import os
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 from conftest import epoch, make_folder, tree
-from PIL import Image
 
 pytest.importorskip("huggingface_hub")
 
@@ -24,6 +20,7 @@ from fastpipe.dataset.loading import load
 from fastpipe.errors import ConfigError
 from fastpipe.store.urls import check_url, redact
 from fastpipe.testing.hubserver import Hub, serve_hub
+from fastpipe.testing.wds import timm_style_shards
 
 TOKEN = "hf_fastpipeTestTokenDoNotPrint0123"
 
@@ -143,32 +140,6 @@ def test_without_huggingface_hub_one_line_names_the_extra(hub, monkeypatch, caps
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "pip install 'fastpipe[hf]'" in err
 
-
-
-def timm_style_shards(folder: Path, shards: int, per_shard: int, prefix: str = "train") -> list[Path]:
-    """Shards as timm publishes them on the Hub: .jpg, .cls and a .json of each photo's metadata, photos of a
-    realistic size (tens of KB), so that reading the headers alone is visibly less than reading the shards."""
-    import tarfile
-
-    rng = np.random.default_rng(0)
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for s in range(shards):
-        path = folder / f"{prefix}-{s:06d}.tar"
-        with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tf:
-            for i in range(per_shard):
-                k = s * per_shard + i
-                image = rng.integers(0, 256, (240, 320, 3), dtype=np.uint8)
-                image[..., k % 3] = 200  # the class shows
-                buf = io.BytesIO()
-                Image.fromarray(image).save(buf, "JPEG", quality=90)
-                meta = json.dumps({"filename": f"n{k:08d}.JPEG", "label": k % 3}).encode()
-                for ext, data in (("jpg", buf.getvalue()), ("cls", str(k % 3).encode()), ("json", meta)):
-                    info = tarfile.TarInfo(f"{prefix}_{k:06d}.{ext}")
-                    info.size = len(data)
-                    tf.addfile(info, io.BytesIO(data))
-        paths.append(path)
-    return paths
 
 
 def test_shards_on_the_hub_are_indexed_where_they_are_from_their_headers(hub, tmp_path):
