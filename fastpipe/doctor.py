@@ -203,7 +203,7 @@ def check_workers() -> Check:
 
     from fastpipe.loaders import cpu_ops
     from fastpipe.loaders.cpu import releases_gil
-    from fastpipe.loaders.workers import DEFAULT_THREADS_UP_TO, STEP_PYTHON, gil_enabled
+    from fastpipe.loaders.workers import DEFAULT_THREADS_UP_TO, STEP_PYTHON, TRIAL_GAIN, gil_enabled
 
     if not gil_enabled():
         return Check("OK", "loader workers", "threads: this Python runs without the GIL (free-threaded), so every "
@@ -216,9 +216,10 @@ def check_workers() -> Check:
                      f"in parallel: no worker processes, no shared memory{gil}; processes above that (each image "
                      f"still holds the GIL for a few percent of its time), unless /dev/shm is too small for them; "
                      f"processes from the second epoch where the training step keeps its thread busy "
-                     f"{STEP_PYTHON:.0%} of its time or more and still waits for batches (its Python never pausing "
-                     f"holds the GIL the threads need) (threads=True/False/'helper' or --threads on|off|helper "
-                     f"chooses; num_workers=\"probe\" measures both)")
+                     f"{STEP_PYTHON:.0%} of its time or more (its Python never pausing holds the GIL the threads "
+                     f"need) and still waits for batches; where it does not wait, one epoch in processes decides "
+                     f"(kept if {TRIAL_GAIN - 1:.0%} faster) (threads=True/False/'helper' or --threads "
+                     f"on|off|helper chooses; num_workers=\"probe\" measures both)")
     return Check("OK", "loader workers", f"processes: the Pillow decoder holds the GIL, threads would take turns{gil}",
                  "pip install opencv-python-headless simplejpeg: its decoders release the GIL, and the workers become "
                  "threads (faster, no shared memory)")

@@ -346,6 +346,36 @@ def test_a_step_whose_python_never_pauses_moves_the_default_to_processes(convert
     assert ("worker processes from epoch 2 on" in said) == python_never_pauses, said
 
 
+@pytest.mark.skipif(cpu_ops.cv2 is None, reason="needs a decoder that releases the GIL (threads by default)")
+@pytest.mark.parametrize("faster", [True, False])
+def test_a_busy_step_beside_a_loader_that_keeps_up_tries_processes_for_one_epoch(converted, capfd, monkeypatch,
+                                                                                 faster):
+    """A step whose Python never pauses, and a loop that did not wait for batches: one epoch in worker processes,
+    kept where the loop ran 3 % faster in it, else threads again; the batches are the same throughout. The rates
+    are stand-ins (what a busy machine makes of them is not what this checks)."""
+    from fastpipe.loaders import stats
+
+    monkeypatch.setattr(stats, "WAIT_FREE", 2.0)  # the loop never counts as having waited: the trial decides
+    rates = iter([10.0, 10.5 if faster else 10.2])  # batches/s: the threads' epoch, then the processes'
+    monkeypatch.setattr(stats.LoaderStats, "loop_rate", lambda self: next(rates))
+    kw = {**KW, "seed": 3, "normalize": False, "with_keys": True, "num_workers": 2, "batch_size": 8}
+    loader = make_loader(converted, **kw)
+    loader.set_epoch(0)
+    for _ in loader:
+        _spin(12)
+    trial = _epoch(loader, 1)
+    assert loader.describe()["workers_are"] == "processes"
+    after = _epoch(loader, 2)
+    assert loader.describe()["workers_are"] == ("processes" if faster else "threads")
+    loader.close()
+    threads = make_loader(converted, threads=True, **kw)
+    _same(trial, _epoch(threads, 1))
+    _same(after, _epoch(threads, 2))
+    said = capfd.readouterr().err
+    assert "epoch 2 in worker processes, to compare with the threads" in said, said
+    assert f"{'worker processes' if faster else 'threads'} from epoch 3 on" in said, said
+
+
 def test_a_killed_helper_process_is_named_not_waited_for(converted):
     """The helper process killed (the out-of-memory killer) mid-epoch: the loop gets an error naming it, at once."""
     loader = make_loader(converted, "torch", batch_size=4, image_size=32, num_workers=2, threads="helper",

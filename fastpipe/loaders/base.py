@@ -274,6 +274,7 @@ class Loader:
                 raise
             stats.wait_s += time.perf_counter() - t
             stats.batches += 1
+            stats.first_s = stats.first_s or time.perf_counter() - start
             stats.samples += len(y)
             stats.skipped += skipped
             stats.skipped_keys += why[: max(0, 20 - len(stats.skipped_keys))]

@@ -33,9 +33,14 @@ class LoaderStats:
     # only while the default worker mode looks at the step (a train loader's epochs in threads, until it decides).
     step_s: float = 0.0
     step_cpu_s: float = 0.0
+    first_s: float = 0.0  # until the first batch: the workers' start, the first reads
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def loop_rate(self) -> float:
+        """The loop's batches/s after its first batch (the workers' start left out)."""
+        return (self.batches - 1) / max(self.seconds - self.first_s, 1e-9) if self.batches > 1 else 0.0
 
     def step_cpu_share(self) -> float | None:
         """The share of the consumer's steps its thread ran (None before 0.05 s of steps)."""

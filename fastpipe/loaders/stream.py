@@ -92,6 +92,7 @@ class StreamLoader(Loader):
         self._order = order
         self._observe = self.cfg.threads is None and in_threads is True and self._may_switch(workers) and \
             self.cfg.split == "train"  # a val loader's consumer is the evaluation, not the training step
+        self._trial = None  # (the loop's batches/s in threads, that epoch's stats) while processes are tried
         self._build(workers, in_threads)
         if self.num_workers > 0:
             atexit.register(processes.stop_workers, weakref.ref(self))
@@ -117,23 +118,42 @@ class StreamLoader(Loader):
 
     def _switch_if_the_step_holds_the_gil(self) -> None:
         """The default's second look, after an epoch in threads: a training step whose own thread kept a core for
-        most of it (its Python never pausing) leaves the loader's threads little of the GIL; where the loop also
-        waited for batches, worker processes train faster from the next epoch (the same batches, bit for bit)."""
+        most of it (its Python never pausing) leaves the loader's threads little of the GIL, and takes less of it
+        than it needs itself. Where the loop also waited for batches, worker processes train faster from the next
+        epoch (the same batches, bit for bit). Where it did not, that step may still be slowed (or not: a thread
+        spinning in a device sync without the GIL looks as busy), so one epoch in processes decides: kept if the
+        loop ran TRIAL_GAIN faster in them, else threads again."""
         from fastpipe.loaders.stats import WAIT_FREE
-        from fastpipe.loaders.workers import STEP_PYTHON
+        from fastpipe.loaders.workers import STEP_PYTHON, TRIAL_GAIN
 
         last = self.ended
         share = last.step_cpu_share() if last is not None else None
+        if self._trial is not None:
+            if last is self._trial[1]:  # the trial epoch in processes has not run to its end yet
+                return
+            self._observe, threads, procs = False, self._trial[0], last.loop_rate()
+            if procs < threads * TRIAL_GAIN:
+                self.close()
+                self._build(self.num_workers, True)
+            print(f"fastpipe: in worker processes the loop ran {procs:.1f} batches/s, in threads {threads:.1f}: "
+                  f"{'threads' if procs < threads * TRIAL_GAIN else 'worker processes'} from epoch {self.epoch + 1} "
+                  f"on", file=sys.stderr)
+            return
         if share is None:
             return
-        self._observe = False
         waited = last.wait_s / max(last.seconds, 1e-9)  # the loader held the loop back at all
-        if share >= STEP_PYTHON and waited >= WAIT_FREE and self._processes_fit(self.num_workers):
-            self.close()
-            self._build(self.num_workers, False)
-            print(f"fastpipe: the training step kept its thread busy {share:.0%} of its time and the loop still "
-                  f"waited for batches: worker processes from epoch {self.epoch + 1} on, which share no GIL with the "
-                  f"step (threads=True keeps threads)", file=sys.stderr)
+        if share < STEP_PYTHON or not self._processes_fit(self.num_workers):
+            self._observe = False
+            return
+        self._observe = waited < WAIT_FREE  # only a trial needs another look
+        self._trial = (last.loop_rate(), last) if self._observe else None
+        self.close()
+        self._build(self.num_workers, False)
+        what = (f"and the loop still waited for batches: worker processes from epoch {self.epoch + 1} on"
+                if self._trial is None else f"(the loop did not wait): epoch {self.epoch + 1} in worker processes, "
+                                            f"to compare with the threads")
+        print(f"fastpipe: the training step kept its thread busy {share:.0%} of its time {what}, which share no GIL "
+              f"with the step (threads=True keeps threads)", file=sys.stderr)
 
     def make_prepare(self):
         raise NotImplementedError

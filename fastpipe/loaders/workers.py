@@ -19,6 +19,9 @@ DEFAULT_THREADS_UP_TO = 8
 # a stand-in step (benchmarks/bench_step.py): at 1.0 processes gave 1.2-1.4x the threads' steps/s, at 0.33 and
 # below threads were best.
 STEP_PYTHON = 0.6
+# ... at once where the loop waited for batches; where it did not, after one epoch in processes, if the loop ran this
+# much faster in them (threads keep their memory and /dev/shm savings otherwise).
+TRIAL_GAIN = 1.03
 
 
 def heuristic_workers(devices: int = 1) -> int:
