@@ -19,6 +19,8 @@ class OptionalBuildExt(build_ext):
             self._skipped(e)
 
     def build_extension(self, ext):
+        if self.compiler.compiler_type == "unix":  # the draws' and tables' arithmetic exactly as Python's: no FMA
+            ext.extra_compile_args = [*ext.extra_compile_args, "-ffp-contract=off", "-fno-fast-math"]
         try:
             super().build_extension(ext)
         except Exception as e:

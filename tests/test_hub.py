@@ -188,9 +188,45 @@ def test_shards_in_our_repository_are_indexed_beside_them_without_downloading_th
     ours = epoch(make_loader(local, split="val", batch_size=4, image_size=32, with_keys=True, num_workers=0))
     assert theirs[1] == ours[1] and (theirs[2] == ours[2]).all()
     assert hub.repos["org/wds"].files["train-000001.idx"] == (local / "train-000001.idx").read_bytes()
+    before, commits = len(hub.requests), len(hub.repos["org/wds"].commits)
+    assert main(["index", "--idx-only", *[f"{base}/{p.name}" for p in train[1:]]]) == 0
+    assert sum(r.sent for r in hub.requests[before:] if r.path.endswith(".tar")) < 0.4 * sum(
+        p.stat().st_size for p in train[1:])
+    assert len(hub.repos["org/wds"].commits) == commits + 1  # the .idx files of both shards in one commit
+
+
+def test_indexing_beside_shards_we_may_not_write_is_refused_before_the_walk(hub, tmp_path, capsys):
+    train = timm_style_shards(tmp_path / "local", 2, 12)
+    hub.create("timm/leafs-wds", {p.name: p.read_bytes() for p in train})
+    hub.repos["timm/leafs-wds"].read_only = True
     before = len(hub.requests)
-    assert main(["index", "--idx-only", f"{base}/{train[1].name}"]) == 0
-    assert sum(r.sent for r in hub.requests[before:] if r.path.endswith(".tar")) < 0.4 * train[1].stat().st_size
+    assert main(["index", *[f"hf://datasets/timm/leafs-wds/{p.name}" for p in train]]) == 2
+    err = capsys.readouterr().err
+    assert "may not write" in err and len(err.strip().splitlines()) == 1
+    assert not [r for r in hub.requests[before:] if r.path.endswith(".tar")]  # not one range of a shard read
+
+
+def test_a_repair_of_an_index_kept_elsewhere_writes_the_index_not_their_shards(hub, tmp_path, capsys):
+    """`inspect --verify --repair` of shards indexed where they are: the undecodable sample leaves the index kept
+    here; their repository gets nothing."""
+    import tarfile
+
+    train = timm_style_shards(tmp_path / "local", 2, 12)
+    with tarfile.open(train[1]) as tf:
+        member = next(m for m in tf.getmembers() if m.name.endswith(".jpg"))
+    data = bytearray(train[1].read_bytes())
+    data[member.offset_data : member.offset_data + 16] = bytes(16)  # no JPEG header: no decoder takes it
+    train[1].write_bytes(bytes(data))
+    hub.create("timm/leafs-wds", {p.name: p.read_bytes() for p in train})
+    idx = tmp_path / "idx"
+    assert main(["index", *[f"hf://datasets/timm/leafs-wds/{p.name}" for p in train], "--out", str(idx)]) == 0
+    assert main(["inspect", str(idx), "--verify", "--repair", "--cache-dir", str(tmp_path / "c")]) == 0
+    assert "repaired: 1 samples" in capsys.readouterr().out
+    assert hub.repos["timm/leafs-wds"].commits == ["initial commit"]
+    assert load(idx).splits["train"].samples == 23
+    loader = make_loader(idx, batch_size=4, image_size=32, num_workers=0, cache_dir=tmp_path / "c")
+    list(loader)
+    assert loader.stats.skipped == 0  # the sample is out of the index, not skipped
 
 
 def test_an_index_of_their_shards_can_be_kept_in_a_repository_of_ours(hub, tmp_path):

@@ -244,6 +244,35 @@ def test_a_chunk_of_training_samples_is_the_python_paths_bit_for_bit():
 
 
 @built
+def test_the_c_path_is_used_only_where_it_gives_the_python_paths_pixels(monkeypatch):
+    """Its resize reproduces this OpenCV's INTER_LINEAR: where a check photo's pixels differ (another OpenCV build),
+    every sample takes the Python path."""
+    assert jpegcrop.chunked()
+    real = cpu_ops.decode_train
+    monkeypatch.setattr(cpu_ops, "decode_train", lambda *a, **k: real(*a, **k) // 2)
+    jpegcrop._same_as_python.cache_clear()
+    try:
+        assert not jpegcrop.chunked()
+    finally:
+        monkeypatch.undo()
+        jpegcrop._same_as_python.cache_clear()
+    assert jpegcrop.chunked()
+
+
+@built
+def test_a_data_sets_limit_of_more_pixels_than_a_c_long_holds_still_trains(converted, tmp_path):
+    import json
+
+    out = tmp_path / "set"
+    shutil.copytree(converted, out)
+    manifest = json.loads((out / "dataset.json").read_text())
+    manifest["settings"]["max_pixels"] = 10**20  # someone's "no limit"
+    (out / "dataset.json").write_text(json.dumps(manifest))
+    loader = make_loader(out, "torch", batch_size=8, image_size=32, device="cpu", num_workers=0)
+    assert sum(len(y) for _, y in loader) == loader.batches * 8
+
+
+@built
 def test_a_chunk_never_writes_wrong_pixels_from_damaged_bytes():
     """Random damage anywhere in a file: the chunk decodes it as the Python path does, or hands it back."""
     from fastpipe.loaders.rng import SampleRng

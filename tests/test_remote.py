@@ -501,10 +501,15 @@ def test_credentials_never_leave_memory(converted, tmp_path, monkeypatch):
     assert written and env_secret.encode() not in written and secret.encode() not in written
 
 
-def test_local_paths_are_unchanged(converted):
+def test_local_paths_are_unchanged(converted, tmp_path, monkeypatch):
     m = load(converted)
     assert m.files.folder == converted and m.location == str(converted)
     assert np.isclose(sum(m.mean), sum(load(str(converted)).mean))
+    assert load(converted / "dataset.json").classes == m.classes
+    shutil.copy(converted / "dataset.json", tmp_path / "kept-as.json")  # a manifest file by another name
+    assert load(tmp_path / "kept-as.json").classes == m.classes
+    monkeypatch.chdir(converted)
+    assert load("").classes == m.classes and load(".").classes == m.classes
 
 
 def test_a_folder_and_a_store_answer_the_same_calls(converted, tmp_path, s3_bucket, monkeypatch):

@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 
+import pytest
 from test_loaders import KW, _corrupt_one_sample
 
 from fastpipe import make_loader
@@ -38,11 +39,19 @@ def test_workers_ignore_a_foreign_sigterm_but_obey_their_main_process(converted)
 
 
 
-def test_a_foreign_sigterm_while_the_workers_start_does_not_kill_them(converted, monkeypatch):
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
+def test_a_foreign_sigterm_while_the_workers_start_does_not_kill_them(converted, monkeypatch, start):
     """torchrun's or Slurm's SIGTERM to the process group can arrive while the worker processes are being forked,
     before they have set up who may end them: sent from another process the moment they exist, it waits until they
-    have (it killed them before)."""
+    have (it killed them before). Also where they fork from a server process (this process holding DALI)."""
+    import types
+
     import torch.utils.data.dataloader as dataloader
+
+    if start == "forkserver":  # what processes.worker_context looks for
+        monkeypatch.setitem(sys.modules, "nvidia.dali", sys.modules.get("nvidia.dali") or types.ModuleType("dali"))
+    else:
+        monkeypatch.delitem(sys.modules, "nvidia.dali", raising=False)
 
     started = dataloader._MultiProcessingDataLoaderIter.__init__
 

@@ -94,7 +94,9 @@ def _place(cfg: IndexConfig, out_url: str | None, storage_options: dict | None) 
     """The local folder the manifest is written in (the staging folder of a store's), refused when it would
     replace a data set without --overwrite."""
     if out_url:
-        taken = Remote(out_url, storage_options).exists(MANIFEST_NAME)
+        store = Remote(out_url, storage_options)
+        store.check_writable()  # before the walk, which may take long: a refused write is said at once
+        taken = store.exists(MANIFEST_NAME)
         out = staging_folder(out_url + "#index")
         shutil.rmtree(out, ignore_errors=True)
     else:
@@ -139,20 +141,25 @@ def _walk(remote: Remote, names: list[str], listed: dict, out: Path, keep: int, 
 def index_only_where_they_are(urls: list[str], storage_options: dict | None = None) -> int:
     """`fastpipe index --idx-only URL/a.tar ...`: each shard's .idx from a walk of its tar headers, uploaded beside
     it (nothing else is written, the shard is not downloaded). Returns the samples indexed."""
-    total = 0
+    total, folders = 0, defaultdict(list)
+    for url in urls:
+        prefix, name = url.rstrip("/").rsplit("/", 1)
+        folders[prefix].append(name)
     with tempfile.TemporaryDirectory(prefix="fastpipe-idx-") as tmp:
-        for url in urls:
-            prefix, name = url.rstrip("/").rsplit("/", 1)
+        for prefix, names in folders.items():
             remote = Remote(prefix, storage_options)
-            size = dict(remote.listing()).get(name)
-            if size is None:
-                raise ConfigError(f"{url}: no such shard (not in the store's listing)")
-            fh = RangedFile(remote, name, size)
-            entries = index_tar(fh.name, fileobj=fh, size=size)
-            index = Path(tmp) / f"{Path(name).stem}.idx"
-            write_index(index, [entry_line(k, p) for k, p in entries])
-            remote.put_many([(index, index.name)])
-            total += len(entries)
+            sizes, written = dict(remote.listing()), []
+            for name in names:
+                if name not in sizes:
+                    raise ConfigError(f"{prefix}/{name}: no such shard (not in the store's listing)")
+                fh = RangedFile(remote, name, sizes[name])
+                entries = index_tar(fh.name, fileobj=fh, size=sizes[name])
+                written.append(Path(tmp) / f"{Path(name).stem}.idx")
+                write_index(written[-1], [entry_line(k, p) for k, p in entries])
+                total += len(entries)
+            upload(Path(tmp), remote)  # one commit on the Hub
+            for p in written:
+                p.unlink()
     return total
 
 

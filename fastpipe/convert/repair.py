@@ -34,8 +34,9 @@ def repair_indexes(m: Manifest, bad: list[dict], shard_file) -> list[str]:
     local file holding the shard's bytes at their offsets (a recount of labels reads it)."""
     if m.files.folder is not None:  # rewritten in place, under the folder's lock
         with FolderLock(m.root, "fastpipe inspect --repair"):
-            # the samples still listed were all just decoded: a shard altered since conversion gets its new sha256
-            return _repair(m, bad, m.root, shard_file, rehash=True)
+            # the samples still listed were all just decoded: a local shard altered since conversion gets its new
+            # sha256 (shards read from a store, an index kept here, are what the store has: checked as fetched)
+            return _repair(m, bad, m.root, shard_file, rehash=m.files.cache is None)
     r = m.files
     changed = {b["shard"] for b in bad}
     indexes = [s.index for sp in m.splits.values() for s in sp.shards if s.path in changed]

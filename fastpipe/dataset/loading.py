@@ -22,30 +22,34 @@ def load(folder: str | os.PathLike, storage_options: dict | None = None, cache_d
     """Read OUT/dataset.json (or a path to the file itself) with errors that say what to do. OUT may be a URL
     (s3://, gs://, az://, http(s)://, hf://...): its shards are then read through a node-local cache (cache.py) in
     `cache_dir` (default ~/.cache/fastpipe/shards or $FASTPIPE_CACHE), kept under `cache_limit` ("50GB")."""
-    text = os.fspath(folder).rstrip("/") or "/"
-    if text.endswith("/" + MANIFEST_NAME) or text == MANIFEST_NAME:
-        text = text[: -len(MANIFEST_NAME)].rstrip("/") or "."
+    text, name = os.fspath(folder) or ".", MANIFEST_NAME
     cache = lambda: node_cache(cache_dir, cache_limit)  # noqa: E731 (made for a store only: it creates a folder)
-    m = _read(open_location(text, storage_options, cache=cache, what="data set"))
+    where = open_location(text, storage_options, cache=cache, what="data set")
+    if where.folder is not None and where.folder.is_file():  # the manifest itself, by whatever name
+        where, name = open_location(where.folder.parent), where.folder.name
+    elif where.folder is None and where.url.endswith("/" + MANIFEST_NAME):
+        where = open_location(where.url[: -len(MANIFEST_NAME) - 1], storage_options, cache=cache)
+    m = _read(where, name)
     shards_at = m.settings.get("shards_at")
     return m if shards_at is None else _shards_elsewhere(m, shards_at, storage_options, cache)
 
 
-def _read(where) -> Manifest:
-    """dataset.json at a location, checked; a local folder with photos and no dataset.json is named as such."""
+def _read(where, name: str = MANIFEST_NAME) -> Manifest:
+    """dataset.json (or `name`) at a location, checked; a local folder with photos and no dataset.json is named as
+    such."""
     try:
-        data = where.cat(MANIFEST_NAME, JSON_LIMIT)
+        data = where.cat(name, JSON_LIMIT)
     except RemoteError as e:
         if where.folder is None:
             raise  # names the URL and what the store said
         if isinstance(e.__cause__, FileNotFoundError):
             raise ManifestError(_missing(where.folder)) from None
-        raise ManifestError(f"{where.join(MANIFEST_NAME)} is damaged ({e.__cause__}); re-run the conversion") from e
+        raise ManifestError(f"{where.join(name)} is damaged ({e.__cause__}); re-run the conversion") from e
     try:
         d = parse_json(data)
     except ValueError as e:  # JSON, UTF-8, nesting
-        raise ManifestError(f"{where.join(MANIFEST_NAME)} is damaged ({type(e).__name__}: {e}); re-run the "
-                            f"conversion") from e
+        raise ManifestError(f"{where.join(name)} is damaged ({type(e).__name__}: {e}); re-run the conversion"
+                            ) from e
     if where.folder is not None:
         return replace(from_dict(d, where.folder), files=where)
     return replace(from_dict(d, where.cache.folder, where.url), files=where)

@@ -255,6 +255,7 @@ class Loader:
         return x, y, keys, len(batch.skipped), batch.skipped
 
     def __iter__(self) -> Iterator[tuple]:
+        self.previous = getattr(self, "stats", None)  # the last iteration's, run to its end or not
         stats = self.stats = LoaderStats(epoch=self.epoch)
         self._iterations = mine = self._iterations + 1
         self.position, self._resume, self._complete = self._resume or 0, None, False
@@ -274,7 +275,8 @@ class Loader:
                 raise
             stats.wait_s += time.perf_counter() - t
             stats.batches += 1
-            stats.first_s = stats.first_s or time.perf_counter() - start
+            if stats.batches == max(1, expected // 2):
+                stats.half_s, stats.half_batches = time.perf_counter() - start, stats.batches
             stats.samples += len(y)
             stats.skipped += skipped
             stats.skipped_keys += why[: max(0, 20 - len(stats.skipped_keys))]

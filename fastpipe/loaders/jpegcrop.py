@@ -129,8 +129,26 @@ def scale_for(w: int, h: int, box, size: int, sampling=((1, 1),)) -> int:
 
 
 def chunked() -> bool:
-    """Whether training samples go through train_chunk (an extension built before it existed has not got it)."""
-    return ext is not None and hasattr(ext, "train_chunk")
+    """Whether training samples go through train_chunk: the extension has it (one built before it existed has not),
+    and it gives this installation's Python path's pixels on a test photo (its resize reproduces OpenCV's
+    INTER_LINEAR: another OpenCV build could differ, and then every sample takes the Python path)."""
+    return ext is not None and hasattr(ext, "train_chunk") and _same_as_python()
+
+
+@functools.cache
+def _same_as_python() -> bool:
+    from fastpipe.loaders import cpu_ops
+    from fastpipe.loaders.rng import SampleRng
+
+    if cpu_ops.cv2 is None:
+        return False
+    y, x = np.mgrid[0:75, 0:101]
+    photo = cpu_ops.cv2.imencode(".jpg", np.stack([x * 2, y * 3, (x + y) % 256], -1).astype(np.uint8))[1].tobytes()
+    states = SampleRng.states((0, 0), np.arange(6))
+    out = np.zeros((6, 48, 48, 3), np.uint8)
+    status = train_chunk([photo] * 6, states, 48, 0.08, out, 1 << 30)
+    return all(s == 0 and np.array_equal(o, cpu_ops.decode_train(photo, 48, SampleRng.at(t), decoder="crop"))
+               for s, o, t in zip(status, out, states))
 
 
 def train_chunk(images, states: np.ndarray, size: int, min_scale: float, out: np.ndarray, max_pixels: int
@@ -139,8 +157,8 @@ def train_chunk(images, states: np.ndarray, size: int, min_scale: float, out: np
     bit for bit (crop draws, box decode, OpenCV's INTER_LINEAR resize, flip), straight into out[i] (uint8, n x size x
     size x 3, C-contiguous), in one call that runs without the GIL. Returns each sample's status: 0 done, 1 for the
     Python path (a file this path does not take, a decoding error, a box OpenCV shrinks with INTER_AREA)."""
-    status = ext.train_chunk(images, np.ascontiguousarray(states, np.uint64), size, min_scale, out, max_pixels,
-                             MAX_SCANS, crops_fixed())
+    status = ext.train_chunk(images, np.ascontiguousarray(states, np.uint64), size, min_scale, out,
+                             min(max_pixels, 1 << 62), MAX_SCANS, crops_fixed())  # a C long; the C limit is lower
     return np.frombuffer(status, np.uint8)
 
 

@@ -18,7 +18,8 @@ def worker_context():
     import multiprocessing
 
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["fastpipe.loaders.stream"])  # the loader's imports, once
+    # SIGTERM held in the server, so in each worker until worker_init (forkserved.py); then the loader's imports, once
+    ctx.set_forkserver_preload(["fastpipe.loaders.forkserved", "fastpipe.loaders.stream"])
     return ctx
 
 

@@ -33,14 +33,17 @@ class LoaderStats:
     # only while the default worker mode looks at the step (a train loader's epochs in threads, until it decides).
     step_s: float = 0.0
     step_cpu_s: float = 0.0
-    first_s: float = 0.0  # until the first batch: the workers' start, the first reads
+    half_s: float = 0.0  # when the epoch's middle batch came: the second half is the loop's warm rate
+    half_batches: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     def loop_rate(self) -> float:
-        """The loop's batches/s after its first batch (the workers' start left out)."""
-        return (self.batches - 1) / max(self.seconds - self.first_s, 1e-9) if self.batches > 1 else 0.0
+        """The loop's batches/s over the epoch's second half (the workers' start, the first reads, a compiled
+        model's first steps left out); 0 before it got there."""
+        done = self.batches - self.half_batches
+        return done / max(self.seconds - self.half_s, 1e-9) if self.half_batches and done > 0 else 0.0
 
     def step_cpu_share(self) -> float | None:
         """The share of the consumer's steps its thread ran (None before 0.05 s of steps)."""

@@ -126,11 +126,9 @@ class StreamLoader(Loader):
         from fastpipe.loaders.stats import WAIT_FREE
         from fastpipe.loaders.workers import STEP_PYTHON, TRIAL_GAIN
 
-        last = self.ended
+        last = self.previous
         share = last.step_cpu_share() if last is not None else None
-        if self._trial is not None:
-            if last is self._trial[1]:  # the trial epoch in processes has not run to its end yet
-                return
+        if self._trial is not None:  # the iteration in processes has run (to its end, or not: then it rates 0)
             self._observe, threads, procs = False, self._trial[0], last.loop_rate()
             if procs < threads * TRIAL_GAIN:
                 self.close()

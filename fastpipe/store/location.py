@@ -15,6 +15,7 @@ import bisect
 import io
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -178,9 +179,14 @@ class Folder:
         for local, rel in files:
             target = Path(self.join(rel))
             target.parent.mkdir(parents=True, exist_ok=True)
-            part = target.with_name(f".{target.name}.part")
-            shutil.copyfile(local, part)
-            os.replace(part, target)
+            fd, part = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")  # O_EXCL: no planted link
+            try:
+                with os.fdopen(fd, "wb") as out, open(local, "rb") as src:
+                    shutil.copyfileobj(src, out)
+                os.replace(part, target)
+            except BaseException:
+                Path(part).unlink(missing_ok=True)
+                raise
 
     def without_credentials(self) -> Folder:
         return self
@@ -196,11 +202,26 @@ class Overlay:
     def __repr__(self) -> str:
         return f"Overlay({self.own.url!r}, shards from {self.shards.url!r})"
 
-    folder = None  # its shards are fetched
+    @property
+    def folder(self) -> Path | None:
+        """The index's own folder where it is on this machine (an index rewritten in place, under its lock)."""
+        return self.own.folder
 
     @property
     def identity(self) -> str:
         return self.own.identity
+
+    def get_many(self, files: list[tuple[str, os.PathLike]]) -> None:
+        for rel, local in files:
+            self._of(rel).get_many([(rel, local)])
+
+    def put_many(self, files: list[tuple[os.PathLike, str]]) -> None:
+        """The index's own files only: the shards' store is someone else's, and is never written."""
+        theirs = [rel for _, rel in files if rel in self.paths]
+        if theirs:
+            raise ConfigError(f"{self.shards.join(theirs[0])}: a shard of the store the index points at; fastpipe "
+                              f"does not write there")
+        self.own.put_many(files)
 
     @property
     def protocol(self) -> str:

@@ -29,6 +29,7 @@ LFS = (".tar", ".npz", ".jpg", ".parquet")  # files the Hub stores in LFS (by th
 class Repo:
     files: dict[str, bytes] = field(default_factory=dict)
     commits: list[str] = field(default_factory=list)  # each commit's title, oldest first
+    read_only: bool = False  # the token may read it, not write it (someone else's repository)
     sha: str = ""  # the head commit's id
 
     def commit(self, title: str) -> str:
@@ -138,6 +139,9 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(200, {"errors": [], "warnings": []})
 
     def _auth_check(self, repo: Repo, m) -> None:
+        if repo.read_only and m.group(m.lastindex or 0) == "/write":
+            self._json(403, {"error": "You don't have the rights to write to this repository"})
+            return
         self._json(200, {"accessRequest": None})
 
     def _info(self, repo: Repo, m) -> None:
