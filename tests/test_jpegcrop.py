@@ -247,16 +247,16 @@ def test_a_chunk_of_training_samples_is_the_python_paths_bit_for_bit():
 def test_the_c_path_is_used_only_where_it_gives_the_python_paths_pixels(monkeypatch):
     """Its resize reproduces this OpenCV's INTER_LINEAR: where a check photo's pixels differ (another OpenCV build),
     every sample takes the Python path."""
-    assert jpegcrop.chunked()
+    assert cpu_ops.chunk_matches()
     real = cpu_ops.decode_train
     monkeypatch.setattr(cpu_ops, "decode_train", lambda *a, **k: real(*a, **k) // 2)
-    jpegcrop._same_as_python.cache_clear()
+    cpu_ops.chunk_matches.cache_clear()
     try:
-        assert not jpegcrop.chunked()
+        assert not cpu_ops.chunk_matches()
     finally:
         monkeypatch.undo()
-        jpegcrop._same_as_python.cache_clear()
-    assert jpegcrop.chunked()
+        cpu_ops.chunk_matches.cache_clear()
+    assert cpu_ops.chunk_matches()
 
 
 @built

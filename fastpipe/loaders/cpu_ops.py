@@ -20,6 +20,7 @@ and Pillow are given a file only after imageguard.check has walked its markers.
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 
@@ -209,6 +210,24 @@ def jpeg_size(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[int, i
     backend hands the device only files that passed them."""
     size = imageguard.check(data, max_pixels)
     return size or _header(data, "auto", max_pixels)[:2]
+
+
+@functools.cache
+def chunk_matches() -> bool:
+    """Whether the crop decoder's C training path (jpegcrop.train_chunk) gives this installation's Python path's
+    pixels on a check photo: its resize reproduces OpenCV's INTER_LINEAR, and another OpenCV build could differ
+    (then every sample takes the Python path)."""
+    from fastpipe.loaders.rng import SampleRng
+
+    if cv2 is None or not jpegcrop.chunked():
+        return False
+    y, x = np.mgrid[0:75, 0:101]
+    photo = cv2.imencode(".jpg", np.stack([x * 2, y * 3, (x + y) % 256], -1).astype(np.uint8))[1].tobytes()
+    states = SampleRng.states((0, 0), np.arange(6))
+    out = np.zeros((6, 48, 48, 3), np.uint8)
+    status = jpegcrop.train_chunk([photo] * 6, states, 48, 0.08, out, 1 << 30)
+    return all(s == 0 and np.array_equal(o, decode_train(photo, 48, SampleRng.at(t), decoder="crop"))
+               for s, o, t in zip(status, out, states))
 
 
 def active(decoder: str = "auto") -> str:

@@ -129,26 +129,9 @@ def scale_for(w: int, h: int, box, size: int, sampling=((1, 1),)) -> int:
 
 
 def chunked() -> bool:
-    """Whether training samples go through train_chunk: the extension has it (one built before it existed has not),
-    and it gives this installation's Python path's pixels on a test photo (its resize reproduces OpenCV's
-    INTER_LINEAR: another OpenCV build could differ, and then every sample takes the Python path)."""
-    return ext is not None and hasattr(ext, "train_chunk") and _same_as_python()
-
-
-@functools.cache
-def _same_as_python() -> bool:
-    from fastpipe.loaders import cpu_ops
-    from fastpipe.loaders.rng import SampleRng
-
-    if cpu_ops.cv2 is None:
-        return False
-    y, x = np.mgrid[0:75, 0:101]
-    photo = cpu_ops.cv2.imencode(".jpg", np.stack([x * 2, y * 3, (x + y) % 256], -1).astype(np.uint8))[1].tobytes()
-    states = SampleRng.states((0, 0), np.arange(6))
-    out = np.zeros((6, 48, 48, 3), np.uint8)
-    status = train_chunk([photo] * 6, states, 48, 0.08, out, 1 << 30)
-    return all(s == 0 and np.array_equal(o, cpu_ops.decode_train(photo, 48, SampleRng.at(t), decoder="crop"))
-               for s, o, t in zip(status, out, states))
+    """Whether this extension has train_chunk (one built before it existed has not); cpu_ops.chunk_matches checks
+    its pixels against the Python path's."""
+    return ext is not None and hasattr(ext, "train_chunk")
 
 
 def train_chunk(images, states: np.ndarray, size: int, min_scale: float, out: np.ndarray, max_pixels: int

@@ -87,8 +87,8 @@ class CpuDecode(_Prepare):
         self.buffers = buffers
         # training samples through the crop decoder's C path, a part of a batch a call, without the GIL; it takes the
         # files the Python path would give the crop decoder and hands back the others, so the pixels are the same
-        self.chunked = (self.train and cfg.cpu_decoder in ("auto", "crop") and cpu_ops.cv2 is not None
-                        and jpegcrop.chunked())
+        self.chunked = (self.train and cfg.cpu_decoder in ("auto", "crop") and jpegcrop.chunked()
+                        and cpu_ops.chunk_matches())
 
     def __call__(self, raw: RawBatch, positions, epoch: int) -> HostBatch:
         job = self.begin(raw, positions, epoch)
