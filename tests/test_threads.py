@@ -353,9 +353,10 @@ def test_a_busy_step_beside_a_loader_that_keeps_up_tries_processes_for_one_epoch
     """A step whose Python never pauses, and a loop that did not wait for batches: one epoch in worker processes,
     kept where the loop ran 3 % faster in it, else threads again; the batches are the same throughout. The rates
     are stand-ins (what a busy machine makes of them is not what this checks)."""
-    from fastpipe.loaders import stats
+    from fastpipe.loaders import stats, workers
 
     monkeypatch.setattr(stats, "WAIT_FREE", 2.0)  # the loop never counts as having waited: the trial decides
+    monkeypatch.setattr(workers, "STEP_PYTHON", 0.0)  # and a busy machine's share of the step does not matter
     rates = iter([10.0, 10.5 if faster else 10.2])  # batches/s: the threads' epoch, then the processes'
     monkeypatch.setattr(stats.LoaderStats, "loop_rate", lambda self: next(rates))
     kw = {**KW, "seed": 3, "normalize": False, "with_keys": True, "num_workers": 2, "batch_size": 8}
