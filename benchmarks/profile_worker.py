@@ -3,7 +3,8 @@
 reading, labels) and batch assembly.
 
     python benchmarks/profile_worker.py --shards OUT [--epochs 6] [--json bench-results/worker-profile.json]
-    python benchmarks/profile_worker.py --shards OUT --gil   # the share of it that holds the GIL (worker threads)
+    python benchmarks/profile_worker.py --shards OUT --gil   # the share that holds the GIL: a worker thread's
+                                                              # work, and the whole loop in one process
     python benchmarks/profile_worker.py --shards OUT --gil --rounds 5   # the C training path against the Python
                                                                          # one, interleaved, medians
 
@@ -68,14 +69,21 @@ def profile(shards: str, epochs: int) -> dict:
             "share": {g: t / total for g, t in groups.items()}, "total_us_per_image": 1e6 * total / images}
 
 
-def gil_held(shards: str, epochs: int) -> dict:
-    """µs per image the worker's path holds the GIL: its wall time less the time inside the calls that release it
-    (the crop decoder's decode and its training chunks, simplejpeg's decode, OpenCV's resize and flip), timed by
-    wrapping them; no profiler. What
-    worker threads cannot run in parallel, and where they queue on the GIL."""
+def gil_held(shards: str, epochs: int, batch: int = 64, where: str = "worker thread") -> dict:
+    """µs per image that hold the GIL: the wall time less the time inside the calls that release it (the crop
+    decoder's decode and its training chunks, simplejpeg's decode, OpenCV's resize and flip), timed by wrapping
+    them; no profiler. What worker threads cannot run in parallel, and what they take from a training step.
+
+    where="worker thread": what one of 2 worker threads runs, its calls one after another in this thread (a batch
+    opened: the plan, the shard read, the buffer and the draws; its chunks decoded; the batch ended), and nothing
+    else. where="one process": the whole loop with no workers (num_workers=0), the DataLoader's iteration, the
+    loader's own bookkeeping and the consumer's loop over the batches included."""
+    import itertools
     import time
 
+    from fastpipe.loaders import batch as batch_module
     from fastpipe.loaders import cpu_ops, jpegcrop
+    from fastpipe.loaders.threads import LoaderThreads
 
     inside = [0.0]
 
@@ -89,16 +97,33 @@ def gil_held(shards: str, epochs: int) -> dict:
         return call
 
     torch.set_num_threads(1)
-    loader = make_loader(shards, "torch", batch_size=64, image_size=224, num_workers=0, device="cpu",
-                         normalize=False)
+    threads = where == "worker thread"
+    loader = make_loader(shards, "torch", batch_size=batch, image_size=224, num_workers=2 if threads else 0,
+                         threads=True if threads else None, device="cpu", normalize=False)
     targets = [(cpu_ops.cv2, "resize"), (cpu_ops.cv2, "flip"), (cpu_ops.simplejpeg, "decode_jpeg")]
     targets += [(jpegcrop.ext, n) for n in ("decode", "header", "train_chunk") if hasattr(jpegcrop.ext, n)]
+
+    def thread_epoch(e):  # a worker thread's calls (threads.py), without the thread
+        loader.dataset.epoch[0] = e
+        work, n = LoaderThreads(loader.dataset, 2, loader.prefetch), 0
+        own = work._reader.shards
+        for t in itertools.count():
+            b = work._open(t)
+            if b is None:
+                return n
+            for chunk in b.chunks:
+                work._work(b, chunk, own)
+            n += len(b.result.labels)
+            b.result = None
 
     def run():
         n = 0
         for e in range(epochs):
-            loader.set_epoch(e)
-            n += sum(len(x) for x, _ in loader)
+            if threads:
+                n += thread_epoch(e)
+            else:
+                loader.set_epoch(e)
+                n += sum(len(x) for x, _ in loader)
         return n
 
     run()  # warm
@@ -112,33 +137,42 @@ def gil_held(shards: str, epochs: int) -> dict:
     finally:
         for m, name, fn in saved:
             setattr(m, name, fn)
+        loader.close()
+        batch_module._thread.worker = None  # this thread ran a worker thread's calls: it is the main thread again
     return {"images": images, "us_per_image": 1e6 * wall / images,
             "gil_held_us_per_image": 1e6 * (wall - inside[0]) / images, "gil_held_share": 1 - inside[0] / wall}
 
 
-def paths_compared(shards: str, epochs: int, rounds: int) -> dict:
-    """gil_held with the C training path and with the Python per-sample path (jpegcrop.chunked off), alternating,
-    each round in a shuffled order; medians and ranges of each, and the paired ratios."""
+WHERE = ("worker thread", "one process")
+
+
+def paths_compared(shards: str, epochs: int, rounds: int, batch: int) -> dict:
+    """gil_held with the C training path and with the Python per-sample path (jpegcrop.chunked off), in a worker
+    thread and in one process, each round in a shuffled order; medians and ranges of each, and the paired ratios."""
     import platform
     import random
     import statistics
 
     from fastpipe.loaders import jpegcrop
 
-    real, runs = jpegcrop.chunked, {"C chunk": [], "Python per sample": []}
+    real = jpegcrop.chunked
+    runs = {f"{path}, {where}": [] for path in ("C chunk", "Python per sample") for where in WHERE}
     for _ in range(rounds):
-        for name in random.sample(list(runs), 2):
-            jpegcrop.chunked = real if name == "C chunk" else (lambda: False)
-            runs[name].append(gil_held(shards, epochs))
+        for name in random.sample(list(runs), len(runs)):
+            path, where = name.split(", ")
+            jpegcrop.chunked = real if path == "C chunk" else (lambda: False)
+            runs[name].append(gil_held(shards, epochs, batch, where))
         jpegcrop.chunked = real
-    out = {"machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads", "rounds": rounds}
+    out = {"machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads", "rounds": rounds,
+           "batch": batch}
     for name, rs in runs.items():
         for key in ("us_per_image", "gil_held_us_per_image", "gil_held_share"):
             vals = [r[key] for r in rs]
             out[f"{name}: {key}"] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
-    c, p = runs["C chunk"], runs["Python per sample"]
-    out["time per image, C ÷ Python (paired)"] = statistics.median(
-        a["us_per_image"] / b["us_per_image"] for a, b in zip(c, p))
+    for where in WHERE:
+        c, p = runs[f"C chunk, {where}"], runs[f"Python per sample, {where}"]
+        out[f"time per image, C ÷ Python (paired), {where}"] = statistics.median(
+            a["us_per_image"] / b["us_per_image"] for a, b in zip(c, p))
     for name in runs:
         m = out[f"{name}: gil_held_share"]
         print(f"{name}: {out[f'{name}: us_per_image']['median']:.0f} µs an image, "
@@ -155,14 +189,16 @@ def main(argv=None):
     ap.add_argument("--gil", action="store_true", help="the GIL's share instead: µs per image that hold it")
     ap.add_argument("--rounds", type=int, default=0,
                     help="with --gil: the crop decoder's C training path (train_chunk) and its Python per-sample path, "
-                         "alternately, this many rounds")
+                         "in a worker thread and in one process, alternately, this many rounds")
+    ap.add_argument("--batch", type=int, default=64, help="with --gil: the batch size")
     a = ap.parse_args(argv)
     if a.gil and a.rounds:
-        res = paths_compared(a.shards, a.epochs, a.rounds)
+        res = paths_compared(a.shards, a.epochs, a.rounds, a.batch)
     elif a.gil:
-        res = gil_held(a.shards, a.epochs)
-        print(f"{res['images']} images, {res['us_per_image']:.0f} µs each, of which {res['gil_held_us_per_image']:.1f}"
-              f" µs ({res['gil_held_share']:.1%}) hold the GIL")
+        res = {where: gil_held(a.shards, a.epochs, a.batch, where) for where in WHERE}
+        for where, r in res.items():
+            print(f"{where}: {r['images']} images, {r['us_per_image']:.0f} µs each, of which "
+                  f"{r['gil_held_us_per_image']:.1f} µs ({r['gil_held_share']:.1%}) hold the GIL")
     else:
         res = profile(a.shards, a.epochs)
         print(f"{res['images']} images, {res['total_us_per_image']:.0f} µs each under the profiler")

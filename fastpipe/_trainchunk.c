@@ -1,10 +1,10 @@
 /* fastpipe._jpegcrop.train_chunk: the crop decoder's whole per-sample path for training samples, for a chunk of
  * samples in one call that holds the GIL only to take and give back its arguments (included by _jpegcrop.c).
  *
- * train_chunk(images, states, size, min_scale, out, max_pixels, max_scans, fixed_4x2) -> status (bytes, one a
- * sample) For each sample, from its bytes and its generator state (loaders/rng.py: the splitmix64 state after
- * mixing the seed, the epoch and the sample's position), exactly what the Python path does (cpu_ops.decode_train
- * with the "crop" decoder and that SampleRng):
+ * train_chunk(images, key, positions, size, min_scale, out, max_pixels, max_scans, fixed_4x2) -> status (bytes, one
+ * a sample) For each sample, from its bytes and its generator state (loaders/rng.py, SampleRng.states: the splitmix64
+ * state of the batch's key, the seed and epoch mixed, mixed with the sample's position, one of `positions`, int64),
+ * exactly what the Python path does (cpu_ops.decode_train with the "crop" decoder and that SampleRng):
  *   - the header, and the checks the Python path makes before the crop decoder may take the file (a colour space it
  *     converts, at most max_pixels pixels);
  *   - the draws of torchvision's RandomResizedCrop (10 tries, then the centre-crop fallback) and the flip;
@@ -289,19 +289,20 @@ python:
 
 static PyObject *train_chunk(PyObject *self, PyObject *args) {
     PyObject *images, *seq = NULL, *status = NULL;
-    Py_buffer states, out, *views = NULL;
+    Py_buffer positions, out, *views = NULL;
+    unsigned long long key;
     chunk k;
     Py_ssize_t n, got = 0;
     memset(&k, 0, sizeof k);
-    if (!PyArg_ParseTuple(args, "Oy*ldw*lip", &images, &states, &k.size, &k.min_scale, &out, &k.max_pixels,
-                          &k.max_scans, &k.fixed_4x2))
+    if (!PyArg_ParseTuple(args, "OKy*ldw*lip", &images, &key, &positions, &k.size, &k.min_scale, &out,
+                          &k.max_pixels, &k.max_scans, &k.fixed_4x2))
         return NULL;
     if ((seq = PySequence_Fast(images, "images: a sequence of bytes-like objects")) == NULL)
         goto end;
     n = PySequence_Fast_GET_SIZE(seq);
     if (k.size < 1 || k.size > MAX_SIDE || k.max_scans < 1 || !(k.min_scale > 0.0 && k.min_scale <= 1.0) ||
-        states.len != n * (Py_ssize_t)sizeof(uint64_t) || out.len != n * k.size * k.size * 3) {
-        PyErr_SetString(PyExc_ValueError, "train_chunk: size, min_scale, max_scans, or the lengths of states (8 "
+        positions.len != n * (Py_ssize_t)sizeof(int64_t) || out.len != n * k.size * k.size * 3) {
+        PyErr_SetString(PyExc_ValueError, "train_chunk: size, min_scale, max_scans, or the lengths of positions (8 "
                                           "bytes a sample) or out (size * size * 3 bytes a sample) are wrong");
         goto end;
     }
@@ -321,11 +322,11 @@ static PyObject *train_chunk(PyObject *self, PyObject *args) {
             goto end;
         }
     char *st = PyBytes_AS_STRING(status);
-    const uint64_t *s = states.buf;
+    const int64_t *at = positions.buf;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++)
-        st[i] = (char)train_one(&k, views[i].buf, views[i].len, s[i], (unsigned char *)out.buf + i * k.size *
-                                k.size * 3);
+    for (Py_ssize_t i = 0; i < n; i++) /* SampleRng.states: the key mixed with the position */
+        st[i] = (char)train_one(&k, views[i].buf, views[i].len, mix64(((uint64_t)key ^ (uint64_t)at[i]) + GAMMA),
+                                (unsigned char *)out.buf + i * k.size * k.size * 3);
     Py_END_ALLOW_THREADS
 end:
     for (Py_ssize_t i = 0; i < got; i++)
@@ -336,7 +337,7 @@ end:
     PyMem_Free(k.ofs);
     PyMem_Free(k.alpha);
     Py_XDECREF(seq);
-    PyBuffer_Release(&states);
+    PyBuffer_Release(&positions);
     PyBuffer_Release(&out);
     return status;
 }

@@ -224,9 +224,11 @@ def test_a_chunk_of_training_samples_is_the_python_paths_bit_for_bit():
     images = good + bad
     taken = set()
     for size, min_scale in ((224, 0.08), (64, 0.5), (161, 1.0), (24, 0.08)):
-        states = SampleRng.states((size, 3), np.arange(len(images)) * 7)
+        at = np.arange(len(images)) * 7
+        states = SampleRng.states((size, 3), at)  # what the C path derives from the key and the positions
         out = np.full((len(images), size, size, 3), 7, np.uint8)
-        status = jpegcrop.train_chunk(images, states, size, min_scale, out, 10**9)
+        key = SampleRng.key_state((size, 3))
+        status = np.frombuffer(jpegcrop.train_chunk(images, key, at, size, min_scale, out, 10**9), np.uint8)
         assert status.tolist()[-len(bad):] == [1] * len(bad)
         for i, data in enumerate(images[: len(good)]):
             if status[i] == 0:
@@ -238,9 +240,9 @@ def test_a_chunk_of_training_samples_is_the_python_paths_bit_for_bit():
         assert sum(status[: len(good)] == 0) > 0
     assert len(taken) == len(good)  # every good file taken at some size
     small = np.zeros((1, 32, 32, 3), np.uint8)
-    assert jpegcrop.train_chunk(good[:1], SampleRng.states((0, 0), [0]), 32, 0.08, small, 10).tolist() == [1]
+    assert list(jpegcrop.train_chunk(good[:1], SampleRng.key_state((0, 0)), np.arange(1), 32, 0.08, small, 10)) == [1]
     with pytest.raises(ValueError, match="lengths"):
-        jpegcrop.train_chunk(good[:2], SampleRng.states((0, 0), [0]), 32, 0.08, small, 10**9)
+        jpegcrop.train_chunk(good[:2], SampleRng.key_state((0, 0)), np.arange(1), 32, 0.08, small, 10**9)
 
 
 @built
@@ -288,7 +290,8 @@ def test_a_chunk_never_writes_wrong_pixels_from_damaged_bytes():
         damaged.append(bytes(data[: len(base[i % len(base)])]))
     states = SampleRng.states((5, 0), np.arange(len(damaged)))
     out = np.zeros((len(damaged), 48, 48, 3), np.uint8)
-    status = jpegcrop.train_chunk(damaged, states, 48, 0.08, out, 10**9)
+    key, at = SampleRng.key_state((5, 0)), np.arange(len(damaged))
+    status = np.frombuffer(jpegcrop.train_chunk(damaged, key, at, 48, 0.08, out, 10**9), np.uint8)
     for i in np.flatnonzero(status == 0).tolist():
         want = cpu_ops.decode_train(damaged[i], 48, SampleRng.at(states[i]), decoder="crop")
         assert np.array_equal(out[i], want)

@@ -134,15 +134,16 @@ def chunked() -> bool:
     return ext is not None and hasattr(ext, "train_chunk")
 
 
-def train_chunk(images, states: np.ndarray, size: int, min_scale: float, out: np.ndarray, max_pixels: int
-                ) -> np.ndarray:
-    """Training samples decoded as cpu_ops.decode_train decodes them with the crop decoder and SampleRng.at(state),
-    bit for bit (crop draws, box decode, OpenCV's INTER_LINEAR resize, flip), straight into out[i] (uint8, n x size x
-    size x 3, C-contiguous), in one call that runs without the GIL. Returns each sample's status: 0 done, 1 for the
-    Python path (a file this path does not take, a decoding error, a box OpenCV shrinks with INTER_AREA)."""
-    status = ext.train_chunk(images, np.ascontiguousarray(states, np.uint64), size, min_scale, out,
-                             min(max_pixels, 1 << 62), MAX_SCANS, crops_fixed())  # a C long; the C limit is lower
-    return np.frombuffer(status, np.uint8)
+def train_chunk(images, key: int, positions: np.ndarray, size: int, min_scale: float, out: np.ndarray,
+                max_pixels: int) -> bytes:
+    """Training samples decoded as cpu_ops.decode_train decodes them with the crop decoder and
+    SampleRng.at(SampleRng.states(...)[i]), bit for bit (crop draws, box decode, OpenCV's INTER_LINEAR resize, flip),
+    straight into out[i] (uint8, n x size x size x 3, C-contiguous), in one call that runs without the GIL. `key`:
+    SampleRng.key_state of the batch's (seed, epoch); the C code mixes each position in. Returns each sample's
+    status: 0 done, 1 for the Python path (a file this path does not take, a decoding error, a box OpenCV shrinks
+    with INTER_AREA)."""
+    return ext.train_chunk(images, key, np.ascontiguousarray(positions, np.int64), size, min_scale, out,
+                           min(max_pixels, 1 << 62), MAX_SCANS, crops_fixed())  # a C long; the C limit is lower
 
 
 def decode_box(data, denom: int, box) -> np.ndarray:

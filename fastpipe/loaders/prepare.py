@@ -74,7 +74,7 @@ class _Job:
     buffer: torch.Tensor
     slot: int
     pixels: np.ndarray
-    states: np.ndarray | None  # each train sample's generator state (SampleRng.states); None for val
+    states: np.ndarray | None  # each train sample's generator state (SampleRng.states); None for val and C
     ok: list[bool]
     failures: list[str | None]
     decode_s: list[float]  # each part's time (parts may run in several threads at once)
@@ -100,23 +100,26 @@ class CpuDecode(_Prepare):
     def begin(self, raw: RawBatch, positions, epoch: int) -> _Job:
         buffer, slot = self.buffers.take()
         n = len(raw)
-        # one view per batch: a tensor index + .numpy() per image showed in the profile
-        states = SampleRng.states((self.cfg.seed, epoch), positions) if self.train else None
+        # one view per batch: a tensor index + .numpy() per image showed in the profile. The C path derives each
+        # sample's generator state itself; the Python path's are drawn here, or for a sample the C path leaves to it
+        states = SampleRng.states((self.cfg.seed, epoch), positions) if self.train and not self.chunked else None
         return _Job(raw, positions, epoch, buffer, slot, buffer.numpy(), states, [False] * n, [None] * n, [])
 
     def part(self, job: _Job, lo: int, hi: int, shards=None) -> None:
         """Samples lo..hi of the batch; `shards`: the ShardSet to fetch a sample again through (its own maps)."""
-        images, states, pixels, ok = job.raw.images, job.states, job.pixels, job.ok  # the per-sample loop: locals
+        images, pixels, ok = job.raw.images, job.pixels, job.ok  # the per-sample loop: locals
         start = time.perf_counter()
         todo = range(lo, hi)
         if self.chunked and hi > lo:
-            status = jpegcrop.train_chunk(images[lo:hi], states[lo:hi], self.cfg.image_size, self.cfg.min_scale,
-                                          pixels[lo:hi], self.max_pixels)
-            ok[lo:hi] = (status == 0).tolist()
-            todo = (lo + np.flatnonzero(status)).tolist()
+            key = SampleRng.key_state((self.cfg.seed, job.epoch))
+            status = jpegcrop.train_chunk(images[lo:hi], key, job.positions[lo:hi], self.cfg.image_size,
+                                          self.cfg.min_scale, pixels[lo:hi], self.max_pixels)
+            done = [not s for s in status]  # bytes: no numpy call per chunk (this Python holds the GIL)
+            ok[lo:hi] = done
+            todo = [i for i, d in enumerate(done, lo) if not d] if not all(done) else ()
         for i in todo:
             try:
-                self._decode(images[i], SampleRng.at(states[i]) if states is not None else None, pixels[i])
+                self._decode(images[i], self._rng(job, i), pixels[i])
                 ok[i] = True
             except Exception as e:  # any decoder failure is this sample's problem, reported with its key
                 said: list[str] = []
@@ -124,8 +127,18 @@ class CpuDecode(_Prepare):
                 job.failures[i] = said[-1] if said else None
         job.decode_s.append(time.perf_counter() - start)
 
+    def _rng(self, job: _Job, i: int) -> SampleRng | None:
+        if job.states is not None:
+            return SampleRng.at(job.states[i])
+        return self.rngs(job.epoch, job.positions[i : i + 1])[0]  # chunked (see begin), or val: None
+
     def end(self, job: _Job) -> HostBatch:
         start, raw, buffer, n = time.perf_counter(), job.raw, job.buffer, len(job.raw)
+        if all(job.ok):  # the common case, in few Python steps (they hold the GIL)
+            images = buffer if n == len(buffer) else buffer[:n]
+            batch = HostBatch(raw.labels, torch.from_numpy(raw.ids), images=images, skipped=[], slot=job.slot)
+            batch.stages = {"read": raw.read_s, "decode": sum(job.decode_s), "assemble": time.perf_counter() - start}
+            return batch
         good, skipped = [i for i in range(n) if job.ok[i]], [f for f in job.failures if f]
         pick = self._fill(good, n, skipped[-1] if skipped else "") if self.train else good
         if pick == list(range(n)):

@@ -9,6 +9,8 @@ splitmix64's (it passes BigCrush), more than augmentation needs.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 _M = (1 << 64) - 1
@@ -45,10 +47,17 @@ class SampleRng:
 
     @staticmethod
     def states(key: tuple[int, ...], positions) -> np.ndarray:
-        """The state each SampleRng(*key, p) starts from, as uint64: what the crop decoder's C path draws from
-        (jpegcrop.train_chunk)."""
+        """The state each SampleRng(*key, p) starts from, as uint64 (the crop decoder's C path derives them itself
+        from key_state(key): jpegcrop.train_chunk)."""
         with np.errstate(over="ignore"):
-            return _mix_np((np.uint64(_state(key)) ^ np.asarray(positions).astype(np.uint64)) + np.uint64(_GAMMA))
+            return _mix_np((np.uint64(SampleRng.key_state(key)) ^ np.asarray(positions).astype(np.uint64))
+                           + np.uint64(_GAMMA))
+
+    @staticmethod
+    @functools.lru_cache(maxsize=64)  # a batch's (seed, epoch): once an epoch, not once a batch
+    def key_state(key: tuple[int, ...]) -> int:
+        """The state of the key alone, before a position is mixed in."""
+        return _state(key)
 
     @classmethod
     def at(cls, state) -> SampleRng:

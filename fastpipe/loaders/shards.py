@@ -112,6 +112,10 @@ class ShardSet:
         self._maps: dict[int, mmap.mmap] = {}
         self._views: dict[int, memoryview] = {}
         self._arrays: dict[int, np.ndarray] = {}
+        # per sample, what a batch's read gathers in one step each: its shard and its image's [start, end)
+        self.shard_ids = np.repeat(np.arange(len(self.paths), dtype=np.int32), self.counts)
+        self.spans = np.stack([self.offsets[:, 0], self.offsets[:, 0] + self.sizes[:, 0]], 1)
+        self._need = [int(self.spans[a:b, 1].max(initial=0)) for a, b in zip(self.starts[:-1], self.starts[1:])]
 
     def _check(self, manifest: Manifest, i: int, shard) -> None:
         path, idx = self.paths[i], self.index_paths[i]
@@ -239,7 +243,7 @@ class ShardSet:
         if self.known is not None:
             self.known[i] = -1  # read from the damaged copy, maybe: read again
         self.fetch(ids, shards)
-        label = self.labels(ids, shards, self.offsets[ids, 1], self.sizes[ids, 1])[0]
+        label = self.labels(ids, shards)[0]
         return self._view(s, int(self.offsets[i, 0]), int(self.sizes[i, 0])), label
 
     def where(self, shard: int) -> str:
@@ -257,24 +261,26 @@ class ShardSet:
                          self.label(i, shard, self._bytes(shard, int(lo_), int(ln_))))
 
     def read(self, ids) -> RawBatch:
-        """The samples `ids` (global ids), their images as views and their labels decoded batch-wise."""
+        """The samples `ids` (global ids), their images as views and their labels decoded batch-wise. In few Python
+        steps: a worker thread runs them holding the GIL the training step needs."""
         start, self.fetch_wait_s = time.perf_counter() - self.fetch_wait_s, 0.0
         ids = np.asarray(ids, dtype=np.int64)
-        shards = self.shard_of(ids)
+        shards = self.shard_ids[ids]
         self.fetch(ids, shards)
-        off, size = self.offsets[ids], self.sizes[ids]
-        images = [self._view(s, o, n) for s, o, n in zip(shards.tolist(), off[:, 0].tolist(), size[:, 0].tolist())]
-        labels = self.labels(ids, shards, off[:, 1], size[:, 1])
-        return RawBatch(self, ids, images, labels, time.perf_counter() - start)
+        listed, views = shards.tolist(), self._views
+        for s in set(listed) - views.keys():
+            self._view(s, 0, self._need[s])  # each shard's bounds checked once, where it is mapped
+        images = [views[s][o:e] for s, (o, e) in zip(listed, self.spans[ids].tolist())]
+        return RawBatch(self, ids, images, self.labels(ids, shards), time.perf_counter() - start)
 
-    def labels(self, ids: np.ndarray, shards: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> torch.Tensor:
+    def labels(self, ids: np.ndarray, shards: np.ndarray) -> torch.Tensor:
         """The batch's label tensor. Binary `.lbl` records (what the converter writes) are gathered from the memory
         maps in one step per shard; text labels (foreign shards) or a record of the wrong size are decoded one by
         one, so that a bad one is named."""
         seen = self.known[ids] if self.known is not None else None
-        if seen is not None and (seen >= 0).all():
+        if seen is not None and seen.min(initial=0) >= 0:
             return torch.from_numpy(seen.astype(np.int64))
-        labels = self._labels(ids, shards, offsets, sizes)
+        labels = self._labels(ids, shards, self.offsets[ids, 1], self.sizes[ids, 1])
         if self.known is not None:
             self.known[ids] = labels.numpy()
         return labels
@@ -317,21 +323,6 @@ class ShardSet:
                              f"{self.num_classes} classes of dataset.json; `fastpipe inspect --verify` lists every "
                              f"such sample")
         return label
-
-    def sample_weights(self, class_weights) -> np.ndarray:
-        """Each sample's weight for class-balanced sampling, from its label(s) read once, a shard at a time: the
-        class weight, or for a label set its rarest label's (1 for an image with no label)."""
-        w = torch.as_tensor(np.asarray(class_weights, dtype=np.float64))
-        out = np.empty(self.total, np.float64)
-        for s in range(len(self.paths)):
-            ids = np.arange(int(self.starts[s]), int(self.starts[s + 1]))
-            self.fetch(ids, np.full(len(ids), s))  # remote data: the whole split comes into the cache
-            y = self.labels(ids, np.full(len(ids), s), self.offsets[ids, 1], self.sizes[ids, 1])
-            if self.multilabel:  # the largest weight among the present labels; 1 where none is present
-                out[ids] = torch.where(y > 0, w, 0.0).amax(1).where(y.sum(1) > 0, 1.0).numpy()
-            else:
-                out[ids] = w[y].numpy()
-        return out
 
     def source(self, i: int) -> str | None:
         """The file a sample was converted from (its KEY.json), for tracing bad data; None for foreign shards."""

@@ -33,8 +33,24 @@ from fastpipe.loaders.threads import InHelper, LoaderThreads
 
 def train_order(shards: ShardSet, cfg: LoaderConfig, manifest: Manifest) -> TrainOrder:
     if cfg.balance:
-        return TrainOrder(shards.counts, cfg.seed, cfg.shuffle_buffer, shards.sample_weights(manifest.class_weights()))
+        return TrainOrder(shards.counts, cfg.seed, cfg.shuffle_buffer, sample_weights(shards, manifest.class_weights()))
     return TrainOrder(shards.counts, cfg.seed, cfg.shuffle_buffer)
+
+
+def sample_weights(shards: ShardSet, class_weights) -> np.ndarray:
+    """Each sample's weight for class-balanced sampling, from its label(s) read once, a shard at a time: the
+    class weight, or for a label set its rarest label's (1 for an image with no label)."""
+    w = torch.as_tensor(np.asarray(class_weights, dtype=np.float64))
+    out = np.empty(shards.total, np.float64)
+    for s in range(len(shards.paths)):
+        ids = np.arange(int(shards.starts[s]), int(shards.starts[s + 1]))
+        shards.fetch(ids, np.full(len(ids), s))  # remote data: the whole split comes into the cache
+        y = shards.labels(ids, np.full(len(ids), s))
+        if shards.multilabel:  # the largest weight among the present labels; 1 where none is present
+            out[ids] = torch.where(y > 0, w, 0.0).amax(1).where(y.sum(1) > 0, 1.0).numpy()
+        else:
+            out[ids] = w[y].numpy()
+    return out
 
 
 class SampleStream(IterableDataset):

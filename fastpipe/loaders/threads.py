@@ -7,13 +7,13 @@ thread, an interpreter per worker (memory, start-up, a cold first epoch).
 
 The threads share each batch. The plan is SampleStream's whole epoch, batch after batch (the batches N worker
 processes make between them, in the order the caller takes them); a batch is opened (its samples read, its buffer
-and draws: `prepare.begin`) by one thread, and its samples are decoded in chunks by whichever threads are free
-(`prepare.part`), straight into the batch's buffer; the thread that finishes its last chunk ends it
-(`prepare.end`). So every batch is the process mode's, bit for bit, and the threads never idle while the last batch
-of an epoch is made by one of them, or while the caller waits for its first batch. A backend whose preparation
-does not split (nvjpeg's: headers only) makes each batch in one chunk. At most N x (prefetch + 1) batches are
-opened beyond the last the caller took, as N worker processes hold them; batch t takes its buffer from the pool of
-worker t % N, as worker process t % N would.
+and draws: `prepare.begin`) by one thread, and its samples are decoded in chunks (the batch split evenly over the
+threads, at least CHUNK samples each) by whichever threads are free (`prepare.part`), straight into the batch's
+buffer; the thread that finishes its last chunk ends it (`prepare.end`). So every batch is the process mode's, bit
+for bit, and the threads never idle while the last batch of an epoch is made by one of them, or while the caller
+waits for its first batch. A backend whose preparation does not split (nvjpeg's: headers only) makes each batch in
+one chunk. At most N x (prefetch + 1) batches are opened beyond the last the caller took, as N worker processes hold
+them; batch t takes its buffer from the pool of worker t % N, as worker process t % N would.
 
 A FastpipeError ends the stream as a HostBatch carrying it, as in worker processes. Another exception in a thread
 is raised in the training process as it is, with its traceback, where it takes that batch.
@@ -38,7 +38,7 @@ from fastpipe.loaders.batch import HostBatch, set_worker_thread
 from fastpipe.loaders.prefetch import fetched_ahead
 
 THREAD_NAME = "fastpipe-loader"
-CHUNK = 8  # samples a thread decodes at a time (about 2 ms at 320 px): one lock round per chunk
+CHUNK = 8  # samples a thread decodes at a time at least (about 2 ms at 320 px): one lock round per chunk
 # Ctrl-C can land inside Thread.start(), before or after the thread was created: how long close() waits to see it
 # begin. Only a start that was interrupted before the thread existed waits this long.
 BEGIN_BOUND_S = 2.0
@@ -63,9 +63,10 @@ class _Batch:
 
     __slots__ = ("chunks", "done", "failed_at", "given", "job", "left", "result")
 
-    def __init__(self, job, n: int, split: bool):
+    def __init__(self, job, n: int, split: bool, workers: int = 1):
         self.job, self.given, self.result, self.done = job, 0, None, False
-        self.chunks = [(lo, min(lo + CHUNK, n)) for lo in range(0, n, CHUNK)] if split and n else [(0, n)]
+        size = max(CHUNK, -(-n // workers))  # a batch split evenly over the threads: fewest chunks, each a lock round
+        self.chunks = [(lo, min(lo + size, n)) for lo in range(0, n, size)] if split and n else [(0, n)]
         self.left = len(self.chunks)  # chunks not finished
         self.failed_at: int | None = None  # the first sample of the earliest chunk that failed
 
@@ -206,7 +207,7 @@ class LoaderThreads:
             ids, positions = item
             raw = self._reader.shards.read(ids)
             job = self.prepare.begin(raw, positions, self.epoch) if self.split else (raw, positions)
-            return _Batch(job, len(ids), self.split)
+            return _Batch(job, len(ids), self.split, self.workers)
         except BaseException as e:
             return _Batch.unopened(_failure(e))
 
