@@ -157,7 +157,7 @@ class BufferPool:
         training process is (see `lend`)."""
         if self.shared:
             return buffer
-        return torch.empty(0, dtype=torch.uint8).set_(buffer.untyped_storage(), 0, buffer.shape)
+        return buffer.detach()  # the same memory, no _base: a tensor of its own, as set_() on the storage gives
 
     def release(self, slot: int) -> None:
         if slot >= 0:

@@ -114,9 +114,11 @@ class CpuDecode(_Prepare):
             key = SampleRng.key_state((self.cfg.seed, job.epoch))
             status = jpegcrop.train_chunk(images[lo:hi], key, job.positions[lo:hi], self.cfg.image_size,
                                           self.cfg.min_scale, pixels[lo:hi], self.max_pixels)
-            done = [not s for s in status]  # bytes: no numpy call per chunk (this Python holds the GIL)
-            ok[lo:hi] = done
-            todo = [i for i, d in enumerate(done, lo) if not d] if not all(done) else ()
+            if any(status):  # bytes, no numpy call per chunk: this Python holds the GIL
+                ok[lo:hi] = [not s for s in status]
+                todo = [i for i, s in enumerate(status, lo) if s]
+            else:
+                ok[lo:hi], todo = [True] * (hi - lo), ()
         for i in todo:
             try:
                 self._decode(images[i], self._rng(job, i), pixels[i])

@@ -278,7 +278,7 @@ class ShardSet:
         maps in one step per shard; text labels (foreign shards) or a record of the wrong size are decoded one by
         one, so that a bad one is named."""
         seen = self.known[ids] if self.known is not None else None
-        if seen is not None and seen.min(initial=0) >= 0:
+        if seen is not None and (not len(seen) or seen.min() >= 0):
             return torch.from_numpy(seen.astype(np.int64))
         labels = self._labels(ids, shards, self.offsets[ids, 1], self.sizes[ids, 1])
         if self.known is not None:
