@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -242,13 +243,13 @@ def machinery_fastpipe(fp: Path, epochs: int) -> float:
 
     def handed(raw, positions, epoch):  # what a worker has before decoding: bytes, label, crop generator
         rngs = SampleRng.batch((cfg.seed, epoch), positions)
-        return sum(len(im) > 0 and r.random() >= 0 for im, r in zip(raw.images, rngs))
+        return SimpleNamespace(n=sum(len(im) > 0 and r.random() >= 0 for im, r in zip(raw.images, rngs)))
 
     stream = SampleStream(shards, cfg, handed, train_order(shards, cfg, m))
     n, t = 0, time.perf_counter()
     for e in range(epochs):
         stream.epoch[0] = e
-        n += sum(stream)
+        n += sum(b.n for b in stream)
     return (time.perf_counter() - t) / n * 1e6
 
 

@@ -320,7 +320,24 @@ def test_a_conversion_stopped_while_hashing_reuses_the_photos_it_converted(tmp_p
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         shard(ShardConfig(src, out, short_side=64, workers=0))
-    assert len(list((out / spool.FOLDER).rglob("*.jpg"))) == 3
+    assert len(list((out / spool.FOLDER).rglob("*" + spool.SUFFIX))) == 3
     monkeypatch.setattr(images, "process", lambda data, settings: calls.append(1) or real(data, settings))
     shard(ShardConfig(src, out, short_side=64, workers=0))
     assert len(calls) == 6 and not (out / spool.FOLDER).exists()  # three then, the other three now
+
+
+def test_a_spool_entry_a_crash_damaged_is_converted_again(tmp_path):
+    """Entries are not synced (a cache): one cut short or with a flipped byte reads as absent, never as a photo."""
+    from fastpipe.convert import images, spool
+
+    photo = io.BytesIO()
+    natural(1).save(photo, "JPEG")
+    enc = images.process(photo.getvalue(), images.ImageSettings(short_side=64))
+    spool.put(tmp_path, "ab", enc)
+    assert spool.take(tmp_path, "ab", 10**6) == enc
+    entry = tmp_path / ("ab" + spool.SUFFIX)
+    data = entry.read_bytes()
+    for damaged in (data[:-1], data[:-9] + bytes([data[-9] ^ 1]) + data[-8:], data[: data.index(b"\n")]):
+        entry.write_bytes(damaged)
+        assert spool.take(tmp_path, "ab", 10**6) is None
+    assert spool.take(tmp_path, "missing", 10**6) is None

@@ -31,9 +31,9 @@ def hash_files(source: Source, threads: int, pool=None) -> tuple[dict[str, str],
     each file's pixels as its header says, and its near-copy fingerprint where taken (photos.hash_one; set up by
     photos.init_worker).
 
-    Threads, not the process pool: reading and hashlib release the GIL, and the conversion processes can finish
-    starting up (importing numpy and Pillow) meanwhile. A store's objects are read 16 at a time at least (their
-    latency, not this machine, is what limits). `pool` (Ray's: onray.py) reads and hashes them there instead."""
+    Threads, without `pool`: reading and hashlib release the GIL. A store's objects are read 16 at a time at least
+    (their latency, not this machine, is what limits). `pool` (the conversion's worker processes, where taking the
+    fingerprints converts the photos; Ray's: onray.py) reads and hashes them there instead."""
     where = [source.files.join(i.path) for i in source.items]
     threads = max(threads, source.files.inflight)  # a store's latency, not this machine, limits its reads
     threaded = ThreadPool(threads) if pool is None and threads > 1 else None
