@@ -34,7 +34,7 @@ def folder(out: Path, settings: images.ImageSettings, suffix: str = "") -> Path:
 def put(where: Path, sha256: str, enc: images.Encoded) -> None:
     """One file an entry: a JSON line (the record, the JPEG's length and CRC-32), then the JPEG. Written under a
     temporary name and renamed, not synced: a spool is a cache, and an entry a crash left damaged fails take()'s
-    check and is converted again (a synced pair of files cost 3 ms a photo, a tenth of converting it)."""
+    check and is converted again."""
     where.mkdir(parents=True, exist_ok=True)
     record = {"size": enc.size, "orig_size": enc.orig_size, "pixel_sum": enc.pixel_sum,
               "pixel_sumsq": enc.pixel_sumsq, "mode": enc.mode, "length": len(enc.jpeg),

@@ -64,7 +64,7 @@ class _Prepare:
         return [i if i in ok else good[i % len(good)] for i in range(n)]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Job:
     """A batch being decoded: its samples, draws and buffer, and each sample's outcome."""
 
@@ -78,6 +78,7 @@ class _Job:
     ok: list[bool]
     failures: list[str | None]
     decode_s: list[float]  # each part's time (parts may run in several threads at once)
+    key: int = 0  # SampleRng.key_state((seed, epoch)): what the C path mixes each position into
 
 
 class CpuDecode(_Prepare):
@@ -103,7 +104,8 @@ class CpuDecode(_Prepare):
         # one view per batch: a tensor index + .numpy() per image showed in the profile. The C path derives each
         # sample's generator state itself; the Python path's are drawn here, or for a sample the C path leaves to it
         states = SampleRng.states((self.cfg.seed, epoch), positions) if self.train and not self.chunked else None
-        return _Job(raw, positions, epoch, buffer, slot, buffer.numpy(), states, [False] * n, [None] * n, [])
+        key = SampleRng.key_state((self.cfg.seed, epoch)) if self.chunked else 0
+        return _Job(raw, positions, epoch, buffer, slot, buffer.numpy(), states, [False] * n, [None] * n, [], key)
 
     def part(self, job: _Job, lo: int, hi: int, shards=None) -> None:
         """Samples lo..hi of the batch; `shards`: the ShardSet to fetch a sample again through (its own maps)."""
@@ -111,8 +113,7 @@ class CpuDecode(_Prepare):
         start = time.perf_counter()
         todo = range(lo, hi)
         if self.chunked and hi > lo:
-            key = SampleRng.key_state((self.cfg.seed, job.epoch))
-            status = jpegcrop.train_chunk(images[lo:hi], key, job.positions[lo:hi], self.cfg.image_size,
+            status = jpegcrop.train_chunk(images[lo:hi], job.key, job.positions[lo:hi], self.cfg.image_size,
                                           self.cfg.min_scale, pixels[lo:hi], self.max_pixels)
             if any(status):  # bytes, no numpy call per chunk: this Python holds the GIL
                 ok[lo:hi] = [not s for s in status]
@@ -137,7 +138,7 @@ class CpuDecode(_Prepare):
     def end(self, job: _Job) -> HostBatch:
         start, raw, buffer, n = time.perf_counter(), job.raw, job.buffer, len(job.raw)
         if all(job.ok):  # the common case, in few Python steps (they hold the GIL)
-            images = buffer if n == len(buffer) else buffer[:n]
+            images = buffer if n == buffer.shape[0] else buffer[:n]
             batch = HostBatch(raw.labels, torch.from_numpy(raw.ids), images=images, skipped=[], slot=job.slot)
             batch.stages = {"read": raw.read_s, "decode": sum(job.decode_s), "assemble": time.perf_counter() - start}
             return batch

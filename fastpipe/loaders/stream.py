@@ -86,11 +86,12 @@ class SampleStream(IterableDataset):
     def batches(self, worker: int, workers: int):
         """The batches of worker `worker` of `workers` (a process or a thread), prepared, in order."""
         epoch = int(self.epoch[0])
-        counters = self.shards.files.counters  # a store's requests (a folder's are none)
+        counters = self.shards.files.counters if self.shards.cache is not None else None  # a folder's: none
         try:
             for ids, positions in fetched_ahead(self.shards, self.plan(worker, workers)):
                 batch = self.prepare(self.shards.read(ids), positions, epoch)
-                batch.io = counters.take()
+                if counters is not None:
+                    batch.io = counters.take()
                 yield batch
         except FastpipeError as e:  # named and explained: the main process raises it without a worker traceback
             yield HostBatch.failed(str(e))

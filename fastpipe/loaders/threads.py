@@ -229,7 +229,8 @@ class LoaderThreads:
             if not b.failed:
                 if self.split:
                     b.result = self.prepare.end(b.job)
-                b.result.io = self._reader.shards.files.counters.take()
+                if self._reader.shards.cache is not None:  # a store's requests (a folder's are none)
+                    b.result.io = self._reader.shards.files.counters.take()
         except BaseException as e:
             self._fail(b, e, b.chunks[-1][1])  # after every sample: no chunk of b had failed
         finally:
