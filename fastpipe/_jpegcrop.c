@@ -18,7 +18,7 @@
  *     own tools refuse one (djpeg -maxscans): a progress monitor stops the decoder when it reaches the next scan, so
  *     a file that repeats its scans thousands of times costs max_scans passes at most.
  *
- * train_chunk(images, key, positions, size, min_scale, out, max_pixels, max_scans, fixed_4x2) -> status
+ * train_chunk(images, key, positions, lo, hi, size, min_scale, out, max_pixels, max_scans, fixed_4x2) -> status
  *     A chunk of training samples decoded, cropped, resized and flipped in one call (_trainchunk.c).
  *
  * Errors: every libjpeg error, and every libjpeg warning (corrupt data it would paper over with grey), raises
@@ -319,8 +319,8 @@ static PyMethodDef methods[] = {
      "decode(data, denom, x0, y0, x1, y1, out, max_scans) -> (dx, stride): the box of the 1/denom-scaled image, RGB, "
      "into out"},
     {"train_chunk", train_chunk, METH_VARARGS,
-     "train_chunk(images, key, positions, size, min_scale, out, max_pixels, max_scans, fixed_4x2) -> status: each "
-     "training sample's draws, box decode, INTER_LINEAR resize and flip into out[i] (status 0), or 1 for the Python path"},
+     "train_chunk(images, key, positions, lo, hi, size, min_scale, out, max_pixels, max_scans, fixed_4x2) -> "
+     "status: each training sample's (lo..hi) draws, box decode, INTER_LINEAR resize and flip into out[i] (status 0), or 1 for the Python path"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "fastpipe._jpegcrop",

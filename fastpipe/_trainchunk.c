@@ -1,8 +1,9 @@
 /* fastpipe._jpegcrop.train_chunk: the crop decoder's whole per-sample path for training samples, for a chunk of
  * samples in one call that holds the GIL only to take and give back its arguments (included by _jpegcrop.c).
  *
- * train_chunk(images, key, positions, size, min_scale, out, max_pixels, max_scans, fixed_4x2) -> status (bytes, one
- * a sample) For each sample, from its bytes and its generator state (loaders/rng.py, SampleRng.states: the splitmix64
+ * train_chunk(images, key, positions, lo, hi, size, min_scale, out, max_pixels, max_scans, fixed_4x2) -> status
+ * (bytes, one a sample of lo..hi: a chunk of a batch, whose images, positions and out buffer are the batch's) For
+ * each sample, from its bytes and its generator state (loaders/rng.py, SampleRng.states: the splitmix64
  * state of the batch's key, the seed and epoch mixed, mixed with the sample's position, one of `positions`, int64),
  * exactly what the Python path does (cpu_ops.decode_train with the "crop" decoder and that SampleRng):
  *   - the header, and the checks the Python path makes before the crop decoder may take the file (a colour space it
@@ -292,20 +293,23 @@ static PyObject *train_chunk(PyObject *self, PyObject *args) {
     Py_buffer positions, out, *views = NULL;
     unsigned long long key;
     chunk k;
-    Py_ssize_t n, got = 0;
+    Py_ssize_t all, lo, hi, n = 0, got = 0;
     memset(&k, 0, sizeof k);
-    if (!PyArg_ParseTuple(args, "OKy*ldw*lip", &images, &key, &positions, &k.size, &k.min_scale, &out,
+    if (!PyArg_ParseTuple(args, "OKy*nnldw*lip", &images, &key, &positions, &lo, &hi, &k.size, &k.min_scale, &out,
                           &k.max_pixels, &k.max_scans, &k.fixed_4x2))
         return NULL;
     if ((seq = PySequence_Fast(images, "images: a sequence of bytes-like objects")) == NULL)
         goto end;
-    n = PySequence_Fast_GET_SIZE(seq);
+    all = PySequence_Fast_GET_SIZE(seq);
     if (k.size < 1 || k.size > MAX_SIDE || k.max_scans < 1 || !(k.min_scale > 0.0 && k.min_scale <= 1.0) ||
-        positions.len != n * (Py_ssize_t)sizeof(int64_t) || out.len != n * k.size * k.size * 3) {
-        PyErr_SetString(PyExc_ValueError, "train_chunk: size, min_scale, max_scans, or the lengths of positions (8 "
-                                          "bytes a sample) or out (size * size * 3 bytes a sample) are wrong");
+        lo < 0 || lo > hi || hi > all || positions.len != all * (Py_ssize_t)sizeof(int64_t) ||
+        out.len != all * k.size * k.size * 3) {
+        PyErr_SetString(PyExc_ValueError, "train_chunk: size, min_scale, max_scans, lo..hi, or the lengths of "
+                                          "positions (8 bytes a sample) or out (size * size * 3 bytes a sample) are "
+                                          "wrong");
         goto end;
     }
+    n = hi - lo;
     views = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
     status = PyBytes_FromStringAndSize(NULL, n);
     k.tmp = PyMem_Malloc(((size_t)k.size * 3 + 4) * 2 * sizeof(short));
@@ -317,16 +321,17 @@ static PyObject *train_chunk(PyObject *self, PyObject *args) {
         goto end;
     }
     for (; got < n; got++)
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &views[got], PyBUF_SIMPLE) < 0) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, lo + got), &views[got], PyBUF_SIMPLE) < 0) {
             Py_CLEAR(status);
             goto end;
         }
     char *st = PyBytes_AS_STRING(status);
-    const int64_t *at = positions.buf;
+    const int64_t *at = (const int64_t *)positions.buf + lo;
+    unsigned char *into = (unsigned char *)out.buf + lo * k.size * k.size * 3;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) /* SampleRng.states: the key mixed with the position */
         st[i] = (char)train_one(&k, views[i].buf, views[i].len, mix64(((uint64_t)key ^ (uint64_t)at[i]) + GAMMA),
-                                (unsigned char *)out.buf + i * k.size * k.size * 3);
+                                into + i * k.size * k.size * 3);
     Py_END_ALLOW_THREADS
 end:
     for (Py_ssize_t i = 0; i < got; i++)

@@ -243,6 +243,30 @@ def test_a_chunk_of_training_samples_is_the_python_paths_bit_for_bit():
     assert list(jpegcrop.train_chunk(good[:1], SampleRng.key_state((0, 0)), np.arange(1), 32, 0.08, small, 10)) == [1]
     with pytest.raises(ValueError, match="lengths"):
         jpegcrop.train_chunk(good[:2], SampleRng.key_state((0, 0)), np.arange(1), 32, 0.08, small, 10**9)
+    with pytest.raises(TypeError, match="int64"):  # never another type's bytes read as positions
+        jpegcrop.train_chunk(good[:1], SampleRng.key_state((0, 0)), np.arange(1.0), 32, 0.08, small, 10**9)
+
+
+@built
+def test_a_batchs_chunks_write_their_own_rows_only():
+    """Worker threads decode a batch in chunks (lo..hi of its samples, into its buffer): the chunks together give
+    the whole batch's call, bit for bit, and a chunk leaves the other rows alone; a range outside the batch is
+    refused."""
+    from fastpipe.loaders.rng import SampleRng
+
+    images = [photo(list(KINDS)[i % len(KINDS)], 200 + 13 * i, 150 + 7 * i, seed=i) for i in range(11)]
+    key, at = SampleRng.key_state((4, 1)), np.arange(100, 111)
+    whole = np.zeros((11, 48, 48, 3), np.uint8)
+    assert not any(jpegcrop.train_chunk(images, key, at, 48, 0.08, whole, 10**9))
+    parts = np.full_like(whole, 7)
+    assert jpegcrop.train_chunk(images, key, at, 48, 0.08, parts, 10**9, 3, 8) == bytes(5)
+    assert (parts[:3] == 7).all() and (parts[8:] == 7).all() and np.array_equal(parts[3:8], whole[3:8])
+    for lo, hi in ((0, 3), (8, 11), (11, 11)):
+        assert len(jpegcrop.train_chunk(images, key, at, 48, 0.08, parts, 10**9, lo, hi)) == hi - lo
+    assert np.array_equal(parts, whole)
+    for lo, hi in ((-1, 2), (5, 4), (0, 12)):
+        with pytest.raises(ValueError, match=r"lo\.\.hi"):
+            jpegcrop.train_chunk(images, key, at, 48, 0.08, parts, 10**9, lo, hi)
 
 
 @built
@@ -361,7 +385,7 @@ def test_an_epoch_is_what_the_full_decode_path_gives(converted, backend, monkeyp
 
     chunks = []
     real = jpegcrop.ext.train_chunk
-    monkeypatch.setattr(jpegcrop.ext, "train_chunk", lambda images, *a: chunks.append(len(images)) or real(images, *a))
+    monkeypatch.setattr(jpegcrop.ext, "train_chunk", lambda *a: chunks.append(a[4] - a[3]) or real(*a))  # hi - lo
     crop = epoch(1)
     assert "crop-aware" in crop[3]
     assert (sum(chunks) == sum(map(len, crop[0]))) == (backend == "torch")  # the torch backend's samples, in chunks

@@ -135,14 +135,16 @@ def chunked() -> bool:
 
 
 def train_chunk(images, key: int, positions: np.ndarray, size: int, min_scale: float, out: np.ndarray,
-                max_pixels: int) -> bytes:
-    """Training samples decoded as cpu_ops.decode_train decodes them with the crop decoder and
+                max_pixels: int, lo: int = 0, hi: int | None = None) -> bytes:
+    """Training samples lo..hi of a batch decoded as cpu_ops.decode_train decodes them with the crop decoder and
     SampleRng.at(SampleRng.states(...)[i]), bit for bit (crop draws, box decode, OpenCV's INTER_LINEAR resize, flip),
-    straight into out[i] (uint8, n x size x size x 3, C-contiguous), in one call that runs without the GIL. `key`:
-    SampleRng.key_state of the batch's (seed, epoch); the C code mixes each position in. Returns each sample's
-    status: 0 done, 1 for the Python path (a file this path does not take, a decoding error, a box OpenCV shrinks
-    with INTER_AREA)."""
-    return ext.train_chunk(images, key, np.ascontiguousarray(positions, np.int64), size, min_scale, out,
+    straight into out[i] (the batch's buffer: uint8, n x size x size x 3, C-contiguous), in one call that runs without
+    the GIL. `key`: SampleRng.key_state of the batch's (seed, epoch); `positions`: the batch's, int64, contiguous
+    (the C code mixes each into the key). Returns each sample's status: 0 done, 1 for the Python path (a file this
+    path does not take, a decoding error, a box OpenCV shrinks with INTER_AREA)."""
+    if positions.dtype != np.int64 or not positions.flags.c_contiguous:
+        raise TypeError(f"positions: int64 and contiguous, not {positions.dtype}")
+    return ext.train_chunk(images, key, positions, lo, len(images) if hi is None else hi, size, min_scale, out,
                            min(max_pixels, 1 << 62), MAX_SCANS, crops_fixed())  # a C long; the C limit is lower
 
 

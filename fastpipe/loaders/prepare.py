@@ -105,7 +105,10 @@ class CpuDecode(_Prepare):
         # sample's generator state itself; the Python path's are drawn here, or for a sample the C path leaves to it
         states = SampleRng.states((self.cfg.seed, epoch), positions) if self.train and not self.chunked else None
         key = SampleRng.key_state((self.cfg.seed, epoch)) if self.chunked else 0
-        return _Job(raw, positions, epoch, buffer, slot, buffer.numpy(), states, [False] * n, [None] * n, [], key)
+        positions = np.ascontiguousarray(positions, np.int64)  # once a batch: its chunks index it in C
+        pixels = buffer.numpy()
+        pixels = pixels if len(pixels) == n else pixels[:n]
+        return _Job(raw, positions, epoch, buffer, slot, pixels, states, [False] * n, [None] * n, [], key)
 
     def part(self, job: _Job, lo: int, hi: int, shards=None) -> None:
         """Samples lo..hi of the batch; `shards`: the ShardSet to fetch a sample again through (its own maps)."""
@@ -113,8 +116,8 @@ class CpuDecode(_Prepare):
         start = time.perf_counter()
         todo = range(lo, hi)
         if self.chunked and hi > lo:
-            status = jpegcrop.train_chunk(images[lo:hi], job.key, job.positions[lo:hi], self.cfg.image_size,
-                                          self.cfg.min_scale, pixels[lo:hi], self.max_pixels)
+            status = jpegcrop.train_chunk(images, job.key, job.positions, self.cfg.image_size, self.cfg.min_scale,
+                                          pixels, self.max_pixels, lo, hi)
             if any(status):  # bytes, no numpy call per chunk: this Python holds the GIL
                 ok[lo:hi] = [not s for s in status]
                 todo = [i for i, s in enumerate(status, lo) if s]

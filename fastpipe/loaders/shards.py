@@ -112,10 +112,10 @@ class ShardSet:
         self._maps: dict[int, mmap.mmap] = {}
         self._views: dict[int, memoryview] = {}
         self._arrays: dict[int, np.ndarray] = {}
-        # per sample, what a batch's read gathers in one step each: its shard and its image's [start, end)
-        self.shard_ids = np.repeat(np.arange(len(self.paths), dtype=np.int32), self.counts)
-        self.spans = np.stack([self.offsets[:, 0], self.offsets[:, 0] + self.sizes[:, 0]], 1)
-        self._need = [int(self.spans[a:b, 1].max(initial=0)) for a, b in zip(self.starts[:-1], self.starts[1:])]
+        # per sample, what a batch's read gathers in one step: its shard, and its image's start and end
+        ends = self.offsets[:, 0] + self.sizes[:, 0]
+        self.spans = np.stack([np.repeat(np.arange(len(self.paths)), self.counts), self.offsets[:, 0], ends], 1)
+        self._need = [int(ends[a:b].max(initial=0)) for a, b in zip(self.starts[:-1], self.starts[1:])]
 
     def _check(self, manifest: Manifest, i: int, shard) -> None:
         path, idx = self.paths[i], self.index_paths[i]
@@ -265,21 +265,23 @@ class ShardSet:
         steps: a worker thread runs them holding the GIL the training step needs."""
         start, self.fetch_wait_s = time.perf_counter() - self.fetch_wait_s, 0.0
         ids = np.asarray(ids, dtype=np.int64)
-        shards = self.shard_ids[ids]
-        self.fetch(ids, shards)
-        listed, views = shards.tolist(), self._views
-        for s in set(listed) - views.keys():
+        rows = self.spans[ids].tolist()  # [shard, start, end] each
+        if self.cache is not None:
+            self.fetch(ids)
+        views = self._views
+        for s in {r[0] for r in rows} - views.keys():
             self._view(s, 0, self._need[s])  # each shard's bounds checked once, where it is mapped
-        images = [views[s][o:e] for s, (o, e) in zip(listed, self.spans[ids].tolist())]
-        return RawBatch(self, ids, images, self.labels(ids, shards), time.perf_counter() - start)
+        images = [views[s][o:e] for s, o, e in rows]
+        return RawBatch(self, ids, images, self.labels(ids), time.perf_counter() - start)
 
-    def labels(self, ids: np.ndarray, shards: np.ndarray) -> torch.Tensor:
+    def labels(self, ids: np.ndarray, shards: np.ndarray | None = None) -> torch.Tensor:
         """The batch's label tensor. Binary `.lbl` records (what the converter writes) are gathered from the memory
         maps in one step per shard; text labels (foreign shards) or a record of the wrong size are decoded one by
         one, so that a bad one is named."""
         seen = self.known[ids] if self.known is not None else None
         if seen is not None and (not len(seen) or seen.min() >= 0):
             return torch.from_numpy(seen.astype(np.int64))
+        shards = self.shard_of(ids) if shards is None else shards
         labels = self._labels(ids, shards, self.offsets[ids, 1], self.sizes[ids, 1])
         if self.known is not None:
             self.known[ids] = labels.numpy()
