@@ -102,7 +102,7 @@ class ShardSet:
         self.keys: list[str] = []
         self.cache = None
         # each single-label sample's label once read (-1: not yet), per process: later epochs gather them in one step
-        self.known = None if self.multilabel else np.full(n, -1, np.int32)
+        self.known = None if self.multilabel else np.full(n, -1, np.int64)  # the batch's dtype: no conversion
         self.fetch_wait_s = 0.0  # waited for a fetch ahead (prefetch.fetched_ahead) since the last read
         if self.files.cache is not None:
             self._check_remote(manifest, info)
@@ -280,7 +280,7 @@ class ShardSet:
         one, so that a bad one is named."""
         seen = self.known[ids] if self.known is not None else None
         if seen is not None and (not len(seen) or seen.min() >= 0):
-            return torch.from_numpy(seen.astype(np.int64))
+            return torch.from_numpy(seen)
         shards = self.shard_of(ids) if shards is None else shards
         labels = self._labels(ids, shards, self.offsets[ids, 1], self.sizes[ids, 1])
         if self.known is not None:
