@@ -359,6 +359,26 @@ def test_missing_or_truncated_shard_is_named(converted, tmp_path):
         make_loader(out, "torch", num_workers=0, **KW)
 
 
+def test_a_shard_cut_short_after_the_loader_opened_it_is_named_whoever_maps_it_first(converted, tmp_path):
+    """Its bounds are checked once, where it is mapped, by whatever maps it first (a batch's read, or naming one
+    sample for a message): a later batch's slices are never short, never a "bad JPEG" silently replaced."""
+    from fastpipe.loaders.shards import ShardSet
+
+    out = tmp_path / "cut"
+    shutil.copytree(converted, out)
+    for first in ("sample", "read"):
+        shards = ShardSet(load(out), "train")
+        victim = shards.paths[1]
+        whole = victim.read_bytes()
+        victim.write_bytes(whole[: len(whole) // 2])
+        i = int(shards.starts[1])  # the shard's first sample: its own bytes are all there
+        with pytest.raises(ShardError, match=f"{victim.name} ends before byte"):
+            shards.sample(i) if first == "sample" else shards.read([i])
+        with pytest.raises(ShardError, match=victim.name):
+            shards.read([i])
+        victim.write_bytes(whole)
+
+
 def test_worker_count_is_measured_once_and_cached(converted, tmp_path, monkeypatch):
     from fastpipe.loaders.workers import _candidates
 

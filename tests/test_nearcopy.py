@@ -341,3 +341,34 @@ def test_a_spool_entry_a_crash_damaged_is_converted_again(tmp_path):
         entry.write_bytes(damaged)
         assert spool.take(tmp_path, "ab", 10**6) is None
     assert spool.take(tmp_path, "missing", 10**6) is None
+
+
+def test_spool_entries_written_at_once_by_threads_and_links_planted_in_it(tmp_path):
+    """Threads (a store's photos are hashed in threads) may convert the same bytes at once: every write lands whole,
+    none fails. An entry that is a link (planted, never made by fastpipe) is not followed: the photo is converted
+    again."""
+    import threading
+
+    from fastpipe.convert import images, spool
+
+    photo = io.BytesIO()
+    natural(2).save(photo, "JPEG")
+    enc = images.process(photo.getvalue(), images.ImageSettings(short_side=64))
+    errors = []
+
+    def write():
+        try:
+            for _ in range(40):
+                spool.put(tmp_path, "cd", enc)
+        except Exception as e:  # the test's subject: none may happen
+            errors.append(e)
+
+    threads = [threading.Thread(target=write) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and spool.take(tmp_path, "cd", 10**6) == enc
+    assert [p.name for p in tmp_path.iterdir()] == ["cd" + spool.SUFFIX]  # no temporary file left
+    (tmp_path / ("ef" + spool.SUFFIX)).symlink_to(tmp_path / ("cd" + spool.SUFFIX))
+    assert spool.take(tmp_path, "ef", 10**6) is None

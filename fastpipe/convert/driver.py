@@ -267,8 +267,9 @@ def _plan(cfg: ShardConfig, source, workers: int, pool):
     """(this part's samples per split, each whole split's size, the plan's fingerprints, early rejections, each
     photo's (sha256, pixels))."""
     # With fingerprints, hashing converts each photo (spool.py): the worker processes do it where the photos are on
-    # this machine (threads of this process, holding the GIL for Pillow's Python, ran at 0.65 of their rate); a
-    # store's photos are read by threads, whose reads in flight hide its latency.
+    # this machine (threads of this process hold the GIL for Pillow's Python: fastpipe converted at 0.66 of
+    # litdata's rate so, docs/benchmarks.md); a store's photos are read by threads, whose reads in flight hide its
+    # latency.
     local_work = cfg.near_duplicates != "off" and source.files.folder is not None
     hashes, early, pixels, fps = plan.hash_files(source, workers, pool if cfg.uses_ray or local_work else None)
     items, duplicates = plan.deduplicate(list(source.items), hashes)

@@ -13,12 +13,12 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 import zlib
 from pathlib import Path
 
 from fastpipe.convert import images
-from fastpipe.errors import FastpipeError
-from fastpipe.util import read_regular
+from fastpipe.store import cachefiles
 
 FOLDER = ".fastpipe-spool"
 SUFFIX = ".entry"
@@ -33,38 +33,39 @@ def folder(out: Path, settings: images.ImageSettings, suffix: str = "") -> Path:
 
 def put(where: Path, sha256: str, enc: images.Encoded) -> None:
     """One file an entry: a JSON line (the record, the JPEG's length and CRC-32), then the JPEG. Written under a
-    temporary name and renamed, not synced: a spool is a cache, and an entry a crash left damaged fails take()'s
-    check and is converted again."""
-    where.mkdir(parents=True, exist_ok=True)
+    temporary name of its own (threads and processes may write the same photo at once) and renamed, not synced: a
+    spool is a cache, and an entry a crash left damaged fails take()'s check and is converted again. The folder is
+    this user's alone (cachefiles.private_folder): no one else can plant or swap an entry."""
+    where = cachefiles.private_folder(where)
     record = {"size": enc.size, "orig_size": enc.orig_size, "pixel_sum": enc.pixel_sum,
               "pixel_sumsq": enc.pixel_sumsq, "mode": enc.mode, "length": len(enc.jpeg),
               "crc32": zlib.crc32(enc.jpeg)}
-    path = where / f"{sha256}{SUFFIX}"
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.unlink(missing_ok=True)  # a crashed run's, or a link: removed, never written through
+    fd, tmp = tempfile.mkstemp(dir=where, prefix=f".{sha256}.")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
         with os.fdopen(fd, "wb") as f:
             f.write(json.dumps(record).encode() + b"\n" + enc.jpeg)
-        os.replace(tmp, path)
+        os.replace(tmp, where / f"{sha256}{SUFFIX}")
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        Path(tmp).unlink(missing_ok=True)
         raise
 
 
 def take(where: Path, sha256: str, limit: int) -> images.Encoded | None:
-    """The photo converted while hashing, or None (not there, or not a whole entry this module wrote)."""
+    """The photo converted while hashing, or None: not there, not a whole entry this module wrote, or not a regular
+    file of this user's (a link is never followed). Anything wrong with it means converting the photo again."""
     try:
-        data = read_regular(where / f"{sha256}{SUFFIX}", limit + HEADER_LIMIT)
+        fd = cachefiles.open_own(cachefiles.private_folder(where) / f"{sha256}{SUFFIX}", os.O_RDONLY)
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(limit + HEADER_LIMIT + 1)
         head, sep, jpeg = data.partition(b"\n")
-        r = json.loads(head) if sep and len(head) <= HEADER_LIMIT else None
+        r = json.loads(head) if sep and len(head) <= HEADER_LIMIT and len(jpeg) <= limit else None
         pair = lambda v: tuple(int(x) for x in v) if len(v) == 2 else None  # noqa: E731
         sums = [tuple(float(x) for x in r[k]) for k in ("pixel_sum", "pixel_sumsq")]
         size, orig = pair(r["size"]), pair(r["orig_size"])
         if size is None or orig is None or any(len(s) != 3 for s in sums) or not isinstance(r["mode"], str) or \
                 r["length"] != len(jpeg) or r["crc32"] != zlib.crc32(jpeg):
             return None
-    except (OSError, ValueError, KeyError, TypeError, FastpipeError):
+    except Exception:  # missing, not ours, garbage (deep nesting, inf where an int goes): converted again
         return None
     return images.Encoded(jpeg=jpeg, size=size, orig_size=orig, pixel_sum=sums[0], pixel_sumsq=sums[1],
                           mode=r["mode"])

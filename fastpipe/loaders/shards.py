@@ -197,7 +197,10 @@ class ShardSet:
     def _view(self, shard: int, offset: int, size: int) -> memoryview:
         mv = self._views.get(shard)
         if mv is None:
-            mv = self._views[shard] = memoryview(self._map(shard))
+            mv = memoryview(self._map(shard))
+            if len(mv) < self._need[shard]:  # checked once, where it is mapped: a batch's slices are then whole
+                self._truncated(shard, self._need[shard])
+            self._views[shard] = mv
         data = mv[offset : offset + size]
         if len(data) != size:
             self._truncated(shard, offset + size)
@@ -270,7 +273,7 @@ class ShardSet:
             self.fetch(ids)
         views = self._views
         for s in {r[0] for r in rows} - views.keys():
-            self._view(s, 0, self._need[s])  # each shard's bounds checked once, where it is mapped
+            self._view(s, 0, 0)  # mapped, its bounds checked
         images = [views[s][o:e] for s, o, e in rows]
         return RawBatch(self, ids, images, self.labels(ids), time.perf_counter() - start)
 

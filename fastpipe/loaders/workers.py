@@ -9,15 +9,16 @@ import sys
 from fastpipe.util import read_json, usable_cores
 
 # Worker threads by default up to this many workers (where the decoder releases the GIL). Each image still holds
-# the GIL for about 3 % of a worker thread's time with the crop decoder's C path, 9 % with the per-sample path
-# (a batch's bookkeeping: benchmarks/profile_worker.py --gil), so N threads keep it busy about N x 3-9 % of the
+# the GIL for about 2.5 % of a worker thread's time with the crop decoder's C path, 7.5 % with the per-sample path
+# (a batch's bookkeeping: benchmarks/profile_worker.py --gil), so N threads keep it busy about N x 2.5-7.5 % of the
 # time, plus what the training step holds. Not yet measured on a many-core host; above this, processes, unless
 # /dev/shm cannot hold their batches (processes would then be cut down to fit).
 DEFAULT_THREADS_UP_TO = 8
 # A training step whose thread runs this share of it or more (Python that never pauses: a launch-bound step) holds
 # the GIL the loader's threads need: the default switches to worker processes after the first epoch. Measured with
 # a stand-in step (benchmarks/bench_step.py, docs/benchmarks.md): where the step held the GIL 8 ms of 8, processes
-# and threads were even; 3 of 3, threads were best, as at every step that releases it for part of its time.
+# gave 1.03x the threads' steps/s; 3 of 3, they were even (0.99x); where it released it for part of the step,
+# threads were even or ahead (1.24x at 1 ms of 6).
 STEP_PYTHON = 0.6
 # ... at once where the loop waited for batches; where it did not, after one epoch in processes, if the loop ran this
 # much faster in them (threads keep their memory and /dev/shm savings otherwise).
