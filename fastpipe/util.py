@@ -92,11 +92,11 @@ def signals_deferred():
             signal.raise_signal(n)  # to the handler it would have met
 
 
-def read_regular(path: Path, limit: int) -> bytes:
+def read_regular(path: Path, limit: int, opener=None) -> bytes:
     """The bytes of a regular file of at most `limit` bytes. FIFOs, devices and sockets (a link to /dev/zero, a
     named pipe that would block forever) and larger files raise OSError/DataError instead of hanging or
-    exhausting memory."""
-    with open(path, "rb", opener=_nonblocking_opener) as f:
+    exhausting memory. `opener`: os.open's stand-in (one that refuses links and others' files: cachefiles)."""
+    with open(path, "rb", opener=opener or _nonblocking_opener) as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
             raise NotRegularFile(f"{path}: not a regular file ({_kind(st.st_mode)})")

@@ -300,6 +300,24 @@ def test_each_photo_is_decoded_once_with_fingerprints_and_nothing_is_left_behind
     assert same and all((out / p).read_bytes() == (off / p).read_bytes() for p in same)
 
 
+def test_with_worker_processes_the_photos_are_converted_by_them_not_by_the_calling_process(tmp_path, monkeypatch):
+    """Taking fingerprints converts each photo while hashing: with worker processes, they do it (threads of the
+    calling process would hold its GIL for Pillow's Python), and the result is the one-process conversion's."""
+    from fastpipe.convert import images
+
+    src = tmp_path / "src"
+    for k in range(6):
+        write(src / ("a" if k % 2 else "b") / f"p{k}.jpg", natural(k))
+    calls, real = [], images.process
+    monkeypatch.setattr(images, "process", lambda data, settings: calls.append(1) or real(data, settings))
+    shard(ShardConfig(src, tmp_path / "two", short_side=64, workers=2))
+    assert calls == []  # a worker's calls stay in the worker: none here
+    shard(ShardConfig(src, tmp_path / "one", short_side=64, workers=0))
+    assert len(calls) == 6
+    same = [p.relative_to(tmp_path / "one") for p in (tmp_path / "one").rglob("*.tar")]
+    assert same and all((tmp_path / "one" / p).read_bytes() == (tmp_path / "two" / p).read_bytes() for p in same)
+
+
 def test_a_conversion_stopped_while_hashing_reuses_the_photos_it_converted(tmp_path, monkeypatch):
     """The photos converted while hashing are kept under OUT until the conversion ends: a rerun after Ctrl-C there
     converts none of them again."""

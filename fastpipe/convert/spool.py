@@ -19,6 +19,7 @@ from pathlib import Path
 
 from fastpipe.convert import images
 from fastpipe.store import cachefiles
+from fastpipe.util import parse_json, read_regular
 
 FOLDER = ".fastpipe-spool"
 SUFFIX = ".entry"
@@ -54,18 +55,17 @@ def take(where: Path, sha256: str, limit: int) -> images.Encoded | None:
     """The photo converted while hashing, or None: not there, not a whole entry this module wrote, or not a regular
     file of this user's (a link is never followed). Anything wrong with it means converting the photo again."""
     try:
-        fd = cachefiles.open_own(cachefiles.private_folder(where) / f"{sha256}{SUFFIX}", os.O_RDONLY)
-        with os.fdopen(fd, "rb") as f:
-            data = f.read(limit + HEADER_LIMIT + 1)
+        data = read_regular(cachefiles.private_folder(where) / f"{sha256}{SUFFIX}", limit + HEADER_LIMIT,
+                            opener=cachefiles.open_own)
         head, sep, jpeg = data.partition(b"\n")
-        r = json.loads(head) if sep and len(head) <= HEADER_LIMIT and len(jpeg) <= limit else None
+        r = parse_json(head) if sep and len(head) <= HEADER_LIMIT and len(jpeg) <= limit else None
         pair = lambda v: tuple(int(x) for x in v) if len(v) == 2 else None  # noqa: E731
         sums = [tuple(float(x) for x in r[k]) for k in ("pixel_sum", "pixel_sumsq")]
         size, orig = pair(r["size"]), pair(r["orig_size"])
         if size is None or orig is None or any(len(s) != 3 for s in sums) or not isinstance(r["mode"], str) or \
                 r["length"] != len(jpeg) or r["crc32"] != zlib.crc32(jpeg):
             return None
-    except Exception:  # missing, not ours, garbage (deep nesting, inf where an int goes): converted again
+    except Exception:  # missing, not ours, garbage (too deep, inf where an int goes): converted again
         return None
     return images.Encoded(jpeg=jpeg, size=size, orig_size=orig, pixel_sum=sums[0], pixel_sumsq=sums[1],
                           mode=r["mode"])

@@ -223,9 +223,8 @@ def chunk_matches() -> bool:
         return False
     y, x = np.mgrid[0:75, 0:101]
     photo = cv2.imencode(".jpg", np.stack([x * 2, y * 3, (x + y) % 256], -1).astype(np.uint8))[1].tobytes()
-    states = SampleRng.states((0, 0), np.arange(6))
-    out = np.zeros((6, 48, 48, 3), np.uint8)
     at = np.arange(6, dtype=np.int64)
+    states, out = SampleRng.states((0, 0), at), np.zeros((6, 48, 48, 3), np.uint8)
     status = jpegcrop.train_chunk([photo] * 6, SampleRng.key_state((0, 0)), at, 48, 0.08, out, 1 << 30)
     return all(s == 0 and np.array_equal(o, decode_train(photo, 48, SampleRng.at(t), decoder="crop"))
                for s, o, t in zip(status, out, states))

@@ -109,7 +109,7 @@ class StreamLoader(Loader):
         self._order = order
         self._observe = self.cfg.threads is None and in_threads is True and self._may_switch(workers) and \
             self.cfg.split == "train"  # a val loader's consumer is the evaluation, not the training step
-        self._trial = None  # (the loop's batches/s in threads, that epoch's stats) while processes are tried
+        self._trial = None  # the loop's batches/s in threads, while processes are tried
         self._build(workers, in_threads)
         if self.num_workers > 0:
             atexit.register(processes.stop_workers, weakref.ref(self))
@@ -146,7 +146,7 @@ class StreamLoader(Loader):
         last = self.previous
         share = last.step_cpu_share() if last is not None else None
         if self._trial is not None:  # the iteration in processes has run (to its end, or not: then it rates 0)
-            self._observe, threads, procs = False, self._trial[0], last.loop_rate()
+            self._observe, threads, procs = False, self._trial, last.loop_rate()
             if procs < threads * TRIAL_GAIN:
                 self.close()
                 self._build(self.num_workers, True)
@@ -161,7 +161,7 @@ class StreamLoader(Loader):
             self._observe = False
             return
         self._observe = waited < WAIT_FREE  # only a trial needs another look
-        self._trial = (last.loop_rate(), last) if self._observe else None
+        self._trial = last.loop_rate() if self._observe else None
         self.close()
         self._build(self.num_workers, False)
         what = (f"and the loop still waited for batches: worker processes from epoch {self.epoch + 1} on"
