@@ -18,7 +18,7 @@
  *     own tools refuse one (djpeg -maxscans): a progress monitor stops the decoder when it reaches the next scan, so
  *     a file that repeats its scans thousands of times costs max_scans passes at most.
  *
- * train_chunk(images, key, positions, lo, hi, size, min_scale, out, max_pixels, max_scans, fixed_4x2) -> status
+ * train_chunk(size, min_scale, max_pixels, max_scans, fixed_4x2, views, spans, key, positions, out, status, lo, hi)
  *     A chunk of training samples decoded, cropped, resized and flipped in one call (_trainchunk.c).
  *
  * Errors: every libjpeg error, and every libjpeg warning (corrupt data it would paper over with grey), raises
@@ -29,7 +29,9 @@
 #include <Python.h>
 #include <setjmp.h>
 #include <stdio.h>
+#include <stdint.h>
 #include <string.h>
+#include <time.h>
 #include <jpeglib.h>
 
 /* Refuse absurd headers before libjpeg allocates for them: a fastpipe shard stores photos of a few hundred pixels
@@ -142,6 +144,37 @@ static int read_header(decoder *d, const unsigned char *data, Py_ssize_t size) {
     return 0;
 }
 
+/* Seconds this module's calls have run without the GIL, all threads together, in wall time and in the CPU time of
+ * the threads that ran them (released()): what a profiler subtracts from a thread's time to find the share that
+ * holds the GIL (benchmarks/profile_worker.py --gil). */
+static uint64_t released_ns[2];
+
+typedef struct {
+    uint64_t at[2];
+} stamp;
+
+static uint64_t clock_ns(clockid_t clock) {
+    struct timespec t;
+    clock_gettime(clock, &t);
+    return (uint64_t)t.tv_sec * 1000000000ULL + (uint64_t)t.tv_nsec;
+}
+
+static stamp now_ns(void) {
+    stamp s = {{clock_ns(CLOCK_MONOTONIC), clock_ns(CLOCK_THREAD_CPUTIME_ID)}};
+    return s;
+}
+
+static void add_released(stamp since) {
+    stamp t = now_ns();
+    for (int i = 0; i < 2; i++)
+        __atomic_fetch_add(&released_ns[i], t.at[i] - since.at[i], __ATOMIC_RELAXED);
+}
+
+static PyObject *released(PyObject *self, PyObject *args) {
+    return Py_BuildValue("dd", (double)__atomic_load_n(&released_ns[0], __ATOMIC_RELAXED) / 1e9,
+                         (double)__atomic_load_n(&released_ns[1], __ATOMIC_RELAXED) / 1e9);
+}
+
 static PyObject *header(PyObject *self, PyObject *args) {
     PyObject *obj;
     Py_buffer data;
@@ -150,7 +183,9 @@ static PyObject *header(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O", &obj) || get_data(obj, &data) < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS /* a few µs a file: held, it was most of what loader threads queue on the GIL for */
+    stamp since = now_ns();
     rc = read_header(&d, data.buf, data.len);
+    add_released(since);
     Py_END_ALLOW_THREADS
     if (rc < 0) {
         jpeg_destroy_decompress(&d.cinfo);
@@ -298,7 +333,9 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     j.out = out.buf;
     j.out_size = out.len;
     Py_BEGIN_ALLOW_THREADS
+    stamp since = now_ns();
     rc = run(&j);
+    add_released(since);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&out);
     PyBuffer_Release(&data);
@@ -319,8 +356,12 @@ static PyMethodDef methods[] = {
      "decode(data, denom, x0, y0, x1, y1, out, max_scans) -> (dx, stride): the box of the 1/denom-scaled image, RGB, "
      "into out"},
     {"train_chunk", train_chunk, METH_VARARGS,
-     "train_chunk(images, key, positions, lo, hi, size, min_scale, out, max_pixels, max_scans, fixed_4x2) -> "
-     "status: each training sample's (lo..hi) draws, box decode, INTER_LINEAR resize and flip into out[i] (status 0), or 1 for the Python path"},
+     "train_chunk(size, min_scale, max_pixels, max_scans, fixed_4x2, views, spans, key, positions, out, status, lo, "
+     "hi) -> left: each training sample's (lo..hi) draws, box decode, INTER_LINEAR resize and flip into out[i] "
+     "(status[i] 0), or status[i] 1 for the Python path; left: how many are 1"},
+    {"released", released, METH_NOARGS,
+     "released() -> (wall, cpu): seconds that header, decode and train_chunk have run without the GIL, all threads "
+     "together"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "fastpipe._jpegcrop",

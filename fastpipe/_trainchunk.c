@@ -1,10 +1,13 @@
 /* fastpipe._jpegcrop.train_chunk: the crop decoder's whole per-sample path for training samples, for a chunk of
  * samples in one call that holds the GIL only to take and give back its arguments (included by _jpegcrop.c).
  *
- * train_chunk(images, key, positions, lo, hi, size, min_scale, out, max_pixels, max_scans, fixed_4x2) -> status
- * (bytes, one a sample of lo..hi: a chunk of a batch, whose images, positions and out buffer are the batch's) For
- * each sample, from its bytes and its generator state (loaders/rng.py, SampleRng.states: the splitmix64
- * state of the batch's key, the seed and epoch mixed, mixed with the sample's position, one of `positions`, int64),
+ * train_chunk(size, min_scale, max_pixels, max_scans, fixed_4x2, views, spans, key, positions, out, status, lo, hi)
+ *     -> how many samples of lo..hi are left to the Python path (the settings first: a loader binds them once)
+ * A chunk of a batch: samples lo..hi of the batch's spans (int64, n x 3: an index into views, the start and the end
+ * of the sample's bytes there; views: the shards' buffers, a sample's bytes are sliced in C, not in Python),
+ * positions (int64, n), out (n x size x size x 3) and status (n bytes). For each sample, from its bytes and its
+ * generator state (loaders/rng.py, SampleRng.states: the splitmix64 state of the batch's key, the seed and epoch
+ * mixed, mixed with the sample's position),
  * exactly what the Python path does (cpu_ops.decode_train with the "crop" decoder and that SampleRng):
  *   - the header, and the checks the Python path makes before the crop decoder may take the file (a colour space it
  *     converts, at most max_pixels pixels);
@@ -14,9 +17,10 @@
  *   - the box decode (run()'s, into a scratch buffer of this call);
  *   - OpenCV's INTER_LINEAR resize to size x size, bit for bit (its fixed-point coefficients and rounding: see
  *     resize_linear), and the horizontal flip, into out[i].
- * status[i] is 0 where sample i is in out[i]; 1 where the Python path must decide (not a JPEG this decoder takes,
- * more pixels than allowed, a decoding error, or a box OpenCV would shrink with INTER_AREA): it draws the same
- * numbers from the same state, so a sample's pixels never depend on which path made them.
+ * status[i] is 0 where sample i is in out[i]; 1 where the Python path must decide (bytes outside its view, not a
+ * JPEG this decoder takes, more pixels than allowed, a decoding error, or a box OpenCV would shrink with
+ * INTER_AREA): it draws the same numbers from the same state, so a sample's pixels never depend on which path made
+ * them.
  */
 #include <math.h>
 #include <stdint.h>
@@ -288,61 +292,120 @@ python:
     return 1;
 }
 
+/* An int64 array argument (numpy's "l" or "q", 8 bytes an item), C-contiguous: anything else is refused rather than
+ * read as int64. */
+static int int64_buffer(PyObject *obj, Py_buffer *view, const char *what) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    const char *f = view->format ? view->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@')
+        f++;
+    if (view->itemsize != 8 || !(f[0] == 'q' || f[0] == 'l') || f[1] != '\0') {
+        PyErr_Format(PyExc_TypeError, "train_chunk: %s must be int64 and contiguous, not format '%s'", what,
+                     view->format ? view->format : "B");
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* The buffer of views[shard], taken once a call (a chunk's samples come from a few shards); NULL when that shard
+ * has no view (the Python path maps it, or names what is wrong). */
+static Py_buffer *shard_buffer(PyObject *views, int64_t shard, Py_buffer *taken, int64_t *shards, Py_ssize_t *count) {
+    for (Py_ssize_t j = 0; j < *count; j++)
+        if (shards[j] == shard)
+            return &taken[j];
+    if (shard < 0 || shard >= PySequence_Fast_GET_SIZE(views))
+        return NULL;
+    PyObject *item = PySequence_Fast_GET_ITEM(views, shard);
+    if (item == Py_None || PyObject_GetBuffer(item, &taken[*count], PyBUF_SIMPLE) < 0) {
+        PyErr_Clear();
+        return NULL;
+    }
+    shards[*count] = shard;
+    return &taken[(*count)++];
+}
+
 static PyObject *train_chunk(PyObject *self, PyObject *args) {
-    PyObject *images, *seq = NULL, *status = NULL;
-    Py_buffer positions, out, *views = NULL;
+    PyObject *views_arg, *views = NULL, *positions_arg, *spans_arg, *result = NULL;
+    Py_buffer positions = {0}, spans = {0}, out = {0}, status = {0}, *taken = NULL;
     unsigned long long key;
     chunk k;
-    Py_ssize_t all, lo, hi, n = 0, got = 0;
+    Py_ssize_t all, lo, hi, n = 0, count = 0, left = 0;
+    const unsigned char **data = NULL;
+    Py_ssize_t *lens = NULL;
+    int64_t *shards = NULL;
     memset(&k, 0, sizeof k);
-    if (!PyArg_ParseTuple(args, "OKy*nnldw*lip", &images, &key, &positions, &lo, &hi, &k.size, &k.min_scale, &out,
-                          &k.max_pixels, &k.max_scans, &k.fixed_4x2))
+    if (!PyArg_ParseTuple(args, "ldlipOOKOw*w*nn", &k.size, &k.min_scale, &k.max_pixels, &k.max_scans, &k.fixed_4x2,
+                          &views_arg, &spans_arg, &key, &positions_arg, &out, &status, &lo, &hi))
         return NULL;
-    if ((seq = PySequence_Fast(images, "images: a sequence of bytes-like objects")) == NULL)
+    if (int64_buffer(spans_arg, &spans, "spans") < 0 || int64_buffer(positions_arg, &positions, "positions") < 0)
         goto end;
-    all = PySequence_Fast_GET_SIZE(seq);
+    if ((views = PySequence_Fast(views_arg, "views: a sequence of bytes-like objects or None")) == NULL)
+        goto end;
+    all = positions.len / 8;
     if (k.size < 1 || k.size > MAX_SIDE || k.max_scans < 1 || !(k.min_scale > 0.0 && k.min_scale <= 1.0) ||
-        lo < 0 || lo > hi || hi > all || positions.len != all * (Py_ssize_t)sizeof(int64_t) ||
+        lo < 0 || lo > hi || hi > all || spans.len != all * 24 || status.len != all ||
         out.len != all * k.size * k.size * 3) {
-        PyErr_SetString(PyExc_ValueError, "train_chunk: size, min_scale, max_scans, lo..hi, or the lengths of "
-                                          "positions (8 bytes a sample) or out (size * size * 3 bytes a sample) are "
-                                          "wrong");
+        PyErr_SetString(PyExc_ValueError, "train_chunk: size, min_scale, max_scans, lo..hi, or the lengths of spans "
+                                          "(3 int64 a sample), status (1 byte a sample) or out (size * size * 3 "
+                                          "bytes a sample) are wrong");
         goto end;
     }
     n = hi - lo;
-    views = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
-    status = PyBytes_FromStringAndSize(NULL, n);
-    k.tmp = PyMem_Malloc(((size_t)k.size * 3 + 4) * 2 * sizeof(short));
-    k.ofs = PyMem_Malloc((size_t)k.size * 2 * sizeof(long));
-    k.alpha = PyMem_Malloc((size_t)k.size * 4 * sizeof(short));
-    if (views == NULL || status == NULL || k.tmp == NULL || k.ofs == NULL || k.alpha == NULL) {
+    taken = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
+    shards = PyMem_Calloc(n ? n : 1, sizeof(int64_t));
+    data = PyMem_Calloc(n ? n : 1, sizeof(*data));
+    lens = PyMem_Calloc(n ? n : 1, sizeof(*lens));
+    if (taken == NULL || shards == NULL || data == NULL || lens == NULL) {
         PyErr_NoMemory();
-        Py_CLEAR(status);
         goto end;
     }
-    for (; got < n; got++)
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, lo + got), &views[got], PyBUF_SIMPLE) < 0) {
-            Py_CLEAR(status);
-            goto end;
-        }
-    char *st = PyBytes_AS_STRING(status);
+    const int64_t *span = (const int64_t *)spans.buf + 3 * lo;
+    for (Py_ssize_t i = 0; i < n; i++) { /* a sample whose bytes are not inside its shard's view: the Python path's */
+        Py_buffer *b = shard_buffer(views, span[3 * i], taken, shards, &count);
+        int64_t a = span[3 * i + 1], z = span[3 * i + 2];
+        if (b != NULL && a >= 0 && a <= z && z <= (int64_t)b->len)
+            data[i] = (const unsigned char *)b->buf + a, lens[i] = (Py_ssize_t)(z - a);
+    }
+    char *st = (char *)status.buf + lo;
     const int64_t *at = (const int64_t *)positions.buf + lo;
     unsigned char *into = (unsigned char *)out.buf + lo * k.size * k.size * 3;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) /* SampleRng.states: the key mixed with the position */
-        st[i] = (char)train_one(&k, views[i].buf, views[i].len, mix64(((uint64_t)key ^ (uint64_t)at[i]) + GAMMA),
-                                into + i * k.size * k.size * 3);
-    Py_END_ALLOW_THREADS
-end:
-    for (Py_ssize_t i = 0; i < got; i++)
-        PyBuffer_Release(&views[i]);
+    Py_BEGIN_ALLOW_THREADS /* the buffers of the resize are allocated and freed here too: a large free trims the heap */
+    stamp since = now_ns();
+    k.tmp = malloc(((size_t)k.size * 3 + 4) * 2 * sizeof(short));
+    k.ofs = malloc((size_t)k.size * 2 * sizeof(long));
+    k.alpha = malloc((size_t)k.size * 4 * sizeof(short));
+    for (Py_ssize_t i = 0; i < n && k.tmp != NULL && k.ofs != NULL && k.alpha != NULL; i++) {
+        /* SampleRng.states: the key mixed with the position */
+        st[i] = data[i] == NULL ? 1
+                                : (char)train_one(&k, data[i], lens[i],
+                                                  mix64(((uint64_t)key ^ (uint64_t)at[i]) + GAMMA),
+                                                  into + i * k.size * k.size * 3);
+        left += st[i];
+    }
+    if (k.tmp == NULL || k.ofs == NULL || k.alpha == NULL)
+        left = -1;
     free(k.scratch);
-    PyMem_Free(views);
-    PyMem_Free(k.tmp);
-    PyMem_Free(k.ofs);
-    PyMem_Free(k.alpha);
-    Py_XDECREF(seq);
-    PyBuffer_Release(&positions);
+    free(k.tmp);
+    free(k.ofs);
+    free(k.alpha);
+    add_released(since);
+    Py_END_ALLOW_THREADS
+    result = left < 0 ? PyErr_NoMemory() : PyLong_FromSsize_t(left);
+end:
+    for (Py_ssize_t i = 0; i < count; i++)
+        PyBuffer_Release(&taken[i]);
+    PyMem_Free(taken);
+    PyMem_Free(shards);
+    PyMem_Free(data);
+    PyMem_Free(lens);
+    Py_XDECREF(views);
+    if (positions.obj != NULL)
+        PyBuffer_Release(&positions);
+    if (spans.obj != NULL)
+        PyBuffer_Release(&spans);
     PyBuffer_Release(&out);
-    return status;
+    PyBuffer_Release(&status);
+    return result;
 }

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import cv2
@@ -270,6 +271,46 @@ def test_a_batchs_chunks_write_their_own_rows_only():
 
 
 @built
+def test_a_chunk_slices_each_sample_from_its_shards_view_and_hands_back_what_lies_outside():
+    """The loader passes the shards' memory maps and each sample's (shard, start, end): a sample whose bytes are not
+    inside its shard's view (a shard cut short, an unmapped shard, a shard number out of range) is handed back to
+    the Python path, its row untouched, never read past a view's end; spans of another type are refused."""
+    from fastpipe.loaders.rng import SampleRng
+
+    images = [photo(list(KINDS)[i % len(KINDS)], 180 + 11 * i, 140 + 5 * i, seed=i) for i in range(6)]
+    shard = b"".join(images)
+    ends = np.cumsum([len(im) for im in images])
+    views = [memoryview(shard), None, memoryview(shard)[: int(ends[3]) - 1]]  # the last: cut short in sample 3
+    spans = np.array([(0, e - len(im), e) for im, e in zip(images, ends)], np.int64)
+    spans[1, 0], spans[2, 0], spans[3, 0], spans[4, 0], spans[5, 0] = 2, 1, 2, 7, -1
+    key, at = SampleRng.key_state((2, 2)), np.arange(6)
+    want = np.zeros((6, 40, 40, 3), np.uint8)
+    assert not any(jpegcrop.train_chunk(images, key, at, 40, 0.08, want, 10**9))
+    out, status = np.full_like(want, 7), bytearray(b"\x01") * 6
+    decode = jpegcrop.chunk_decoder(40, 0.08, 10**9)
+    assert decode(views, spans, key, at, out, status, 0, 6) == 4
+    assert list(status) == [0, 0, 1, 1, 1, 1]  # in its view; in the cut view, whole; unmapped; cut; out of range
+    assert np.array_equal(out[:2], want[:2]) and (out[2:] == 7).all()
+    with pytest.raises(TypeError, match="int64"):
+        decode(views, spans.astype(np.int32), key, at, out, status, 0, 6)
+
+
+@built
+def test_the_extension_counts_the_time_it_runs_without_the_gil():
+    """profile_worker.py --gil subtracts it: it grows by about a decode's time with each decode, in wall and CPU."""
+    from fastpipe.loaders.rng import SampleRng
+
+    images = [photo("4:2:0", 1200, 900, seed=i) for i in range(4)]
+    wall, cpu = jpegcrop.ext.released()
+    start = time.perf_counter()
+    jpegcrop.train_chunk(images, SampleRng.key_state((0, 0)), np.arange(4), 64, 0.08,
+                         np.zeros((4, 64, 64, 3), np.uint8), 10**9)
+    took = time.perf_counter() - start
+    wall2, cpu2 = jpegcrop.ext.released()
+    assert 0 < wall2 - wall <= took and cpu2 - cpu > 0
+
+
+@built
 def test_the_c_path_is_used_only_where_it_gives_the_python_paths_pixels(monkeypatch):
     """Its resize reproduces this OpenCV's INTER_LINEAR: where a check photo's pixels differ (another OpenCV build),
     every sample takes the Python path."""
@@ -385,7 +426,7 @@ def test_an_epoch_is_what_the_full_decode_path_gives(converted, backend, monkeyp
 
     chunks = []
     real = jpegcrop.ext.train_chunk
-    monkeypatch.setattr(jpegcrop.ext, "train_chunk", lambda *a: chunks.append(a[4] - a[3]) or real(*a))  # hi - lo
+    monkeypatch.setattr(jpegcrop.ext, "train_chunk", lambda *a: chunks.append(a[-1] - a[-2]) or real(*a))  # hi - lo
     crop = epoch(1)
     assert "crop-aware" in crop[3]
     assert (sum(chunks) == sum(map(len, crop[0]))) == (backend == "torch")  # the torch backend's samples, in chunks

@@ -146,6 +146,20 @@ print("SAMPLES", n, "BATCHES", 2 * len(loader), "SHM MAPS", len(maps))
 """
 
 
+def test_each_epochs_threads_read_a_folders_shards_through_the_maps_made_once(converted, monkeypatch):
+    """Every epoch's threads read through copies of the data set's shards: a folder's are mapped in the first epoch
+    and never again (a store's copies start without maps: test_remote)."""
+    import mmap as mmap_module
+
+    loader = make_loader(converted, num_workers=2, threads=True, **KW)
+    first = [y for _, y in loader]
+    mapped, real = [], mmap_module.mmap
+    monkeypatch.setattr(mmap_module, "mmap", lambda *a, **k: mapped.append(a) or real(*a, **k))
+    loader.set_epoch(1)
+    assert sum(len(y) for _, y in loader) == sum(len(y) for y in first)
+    assert not mapped
+
+
 def test_threads_run_where_dev_shm_is_read_only(converted, tmp_path):
     """A real /dev/shm nothing can be written to, in a private mount namespace."""
     if shutil.which("unshare") is None or subprocess.run(

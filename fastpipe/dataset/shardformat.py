@@ -250,6 +250,16 @@ def encode_label(label: int | tuple[int, ...], num_classes: int | None = None) -
     return {"cls": str(label).encode(), "lbl": np.int32(label).tobytes()}
 
 
+def label_array(labels: list, num_classes: int, multilabel: bool) -> np.ndarray:
+    """int64 class indices, or for multi-label data float32 multi-hot rows (N, K)."""
+    if not multilabel:
+        return np.array(labels, dtype=np.int64).reshape(len(labels))
+    hot = np.zeros((len(labels), num_classes), dtype=np.float32)
+    for row, ks in enumerate(labels):
+        hot[row, list(ks)] = 1.0
+    return hot
+
+
 def decode_label(data: bytes, ext: str, multilabel: bool = False) -> int | tuple[int, ...]:
     """A label member's class index, or for multi-label data the sorted tuple of class indices; raises ValueError
     with what was found (callers add the shard and key)."""

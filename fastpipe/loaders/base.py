@@ -235,6 +235,7 @@ class Loader:
     def _moved(self, batch: HostBatch):
         if batch.error:
             raise DataError(batch.error)
+        batch.tensors()
         start, stages = time.perf_counter(), self.stats.stages
         for k, v in (batch.stages or {}).items():
             stages[k] = stages.get(k, 0.0) + v

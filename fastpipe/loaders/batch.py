@@ -1,9 +1,8 @@
-"""What a loader worker hands to the training step: a HostBatch, and the pooled buffers it is made in (shared memory
-for worker processes, plain or pinned memory for worker threads)."""
+"""What a loader worker reads (a RawBatch) and hands to the training step: a HostBatch, and the pooled buffers it is
+made in (shared memory for worker processes, plain or pinned memory for worker threads)."""
 
 from __future__ import annotations
 
-import threading
 import weakref
 from dataclasses import dataclass, field, fields, replace
 
@@ -12,12 +11,42 @@ import torch
 from torch.utils.data import get_worker_info
 
 
+class RawBatch:
+    """The samples of one batch as read, in parallel arrays (no object per sample: the hot path of every worker).
+    Sample i's image is views[s][a:b] for (s, a, b) = spans[i] (the shards' memory maps, zero-copy; `images` slices
+    them, for the paths that take a list); `labels`: label_array's."""
+
+    __slots__ = ("_images", "ids", "labels", "read_s", "shards", "spans", "views")
+
+    def __init__(self, shards, ids: np.ndarray, views, spans: np.ndarray, labels: np.ndarray, read_s: float = 0.0):
+        # shards: the ShardSet it was read from (shards.py, which makes RawBatches)
+        self.shards, self.ids, self.views, self.spans, self.labels = shards, ids, views, spans, labels
+        self.read_s = read_s  # seconds this read took, waiting for a fetch ahead of it included (loader.stats.stages)
+        self._images: list[memoryview] | None = None
+
+    @property
+    def images(self) -> list[memoryview]:
+        if self._images is None:
+            self._images = [self.views[s][a:b] for s, a, b in self.spans.tolist()]
+        return self._images
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def name(self, i: int) -> str:
+        """'sample KEY in shard NAME' of the batch's i-th sample, for messages."""
+        sid = int(self.ids[i])
+        return f"sample {self.shards.keys[sid]} in shard {self.shards.names[int(self.shards.shard_of(sid))]}"
+
+
 @dataclass
 class HostBatch:
     """One batch on the host. Which fields are set depends on the backend's preparation (prepare.py):
     decoded images (torch), encoded bytes with crop boxes (nvjpeg), or encoded bytes for DALI."""
 
-    labels: torch.Tensor  # int64 (n,)
+    # labels, ids and images are numpy arrays as a worker makes them (a worker process's images: its shared tensor),
+    # tensors once `tensors()` has run in the training thread
+    labels: torch.Tensor  # int64 (n,), or float32 (n, K) multi-hot
     ids: torch.Tensor  # int64 (n,): global sample ids, from which the main process names samples (keys)
     images: torch.Tensor | None = None  # uint8 NHWC
     data: list | None = None  # encoded images, one per sample
@@ -43,8 +72,19 @@ class HostBatch:
             state["data"] = [d.numpy() for d in state["data"]]
         return _rebuild, (state, tensors)
 
+    def tensors(self) -> HostBatch:
+        """The batch's numpy arrays made tensors, in the training thread: there torch's calls are warm, while in a
+        worker thread, after a chunk's decode has evicted the CPU's caches, each costs tens of µs holding the GIL
+        (benchmarks/profile_worker.py --gil)."""
+        for k in ("labels", "ids", "images"):
+            v = getattr(self, k)
+            if isinstance(v, np.ndarray):
+                setattr(self, k, torch.from_numpy(v))
+        return self
+
     def pin_memory(self) -> HostBatch:
         """DataLoader's pin-memory thread calls this for objects it does not know."""
+        self.tensors()
         return replace(self, labels=self.labels.pin_memory(),
                        images=self.images.pin_memory() if self.images is not None else None)
 
@@ -66,21 +106,10 @@ def _rebuild(state: dict, tensors: bool) -> HostBatch:
     return HostBatch(**state)
 
 
-_thread = threading.local()  # a loader thread's (worker id, worker count): threads.py sets it
-
-
-def worker_info() -> tuple[int, int] | None:
-    """(id, count) of the loader worker this code runs in, a DataLoader worker process or a loader thread; None in
-    the training process's own decoding (num_workers=0)."""
-    thread = getattr(_thread, "worker", None)  # first: threads in a helper process are workers of their own
-    if thread is not None:
-        return thread
+def worker_id() -> int | None:
+    """The id of the DataLoader worker process this code runs in; None in the training process."""
     info = get_worker_info()
-    return (info.id, info.num_workers) if info is not None else None
-
-
-def set_worker_thread(worker: int, workers: int) -> None:
-    _thread.worker = (worker, workers)
+    return info.id if info is not None else None
 
 
 @dataclass(frozen=True)
@@ -117,15 +146,17 @@ class BufferPool:
         if shared:
             self.free.share_memory_()
         self._flags = self.free.numpy()  # the same memory: reading and setting a flag through numpy is 50x cheaper
-        self.pools: dict[int, list[torch.Tensor]] = {}  # each worker's buffers, filled by that worker
+        self._flat = self._flags.reshape(-1)  # by slot
+        self.pools: dict[int, list[tuple]] = {}  # each worker's buffers (what a batch carries, its array)
         self.lent: set[int] = set()  # training process: slots whose buffer the caller still holds
 
-    def __getstate__(self):  # to a worker process: the flags' numpy view is made again over the shared tensor
-        return {k: v for k, v in self.__dict__.items() if k != "_flags"}
+    def __getstate__(self):  # to a worker process: the flags' numpy views are made again over the shared tensor
+        return {k: v for k, v in self.__dict__.items() if k not in ("_flags", "_flat")}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._flags = self.free.numpy()
+        self._flat = self._flags.reshape(-1)
 
     def _new(self) -> torch.Tensor:
         if not self.shared or get_worker_info() is None:
@@ -133,35 +164,36 @@ class BufferPool:
         storage = torch.UntypedStorage._new_shared(int(np.prod(self.shape)))
         return torch.tensor([], dtype=torch.uint8).set_(storage).view(self.shape)
 
-    def take(self) -> tuple[torch.Tensor, int]:
-        """A buffer and its slot id (-1: not pooled, never released)."""
-        me = worker_info()
+    def take(self, worker: int | None = None) -> tuple[torch.Tensor | np.ndarray, np.ndarray, int]:
+        """A buffer from the pool of `worker` (a worker thread's number; by default the worker process this runs in):
+        what the batch carries, the numpy array decoders write, and its slot id (-1: not pooled, never released). A
+        worker process's batch carries its shared tensor, sent by handle; a pinned buffer, the tensor the copy to the
+        device starts from; otherwise the array itself, which HostBatch.tensors() makes the batch's own tensor in the
+        training thread: its life (and its views', whose base it is) is then the caller's alone, as a worker
+        process's batch arriving in the training process is (see `lend`)."""
+        me = worker_id() if worker is None else worker
         if me is None and not self.shared:  # decoded in the training process (num_workers=0): worker 0's pool
-            me = (0, 1)
+            me = 0
         if me is None or not self.ring:
-            return self._new(), -1
-        flags, pool = self._flags[me[0]], self.pools.setdefault(me[0], [])
-        for slot, buffer in enumerate(pool):
+            return self._carried(self._new(), -1)
+        flags, pool = self._flags[me], self.pools.setdefault(me, [])
+        for slot, (carried, pixels) in enumerate(pool):
             if flags[slot] == 1:
                 flags[slot] = 0
-                return self._handed(buffer), me[0] * self.ring + slot
+                return carried, pixels, me * self.ring + slot
         if len(pool) < self.ring:
-            pool.append(self._new())
+            pool.append(self._carried(self._new(), 0)[:2])
             flags[len(pool) - 1] = 0
-            return self._handed(pool[-1]), me[0] * self.ring + len(pool) - 1
-        return self._new(), -1
+            return (*pool[-1], me * self.ring + len(pool) - 1)
+        return self._carried(self._new(), -1)
 
-    def _handed(self, buffer: torch.Tensor) -> torch.Tensor:
-        """The pooled buffer as this batch's own tensor: worker threads hand it to the caller as it is, so that its
-        life (and its views', whose base it is) is this batch's alone, as a worker process's batch arriving in the
-        training process is (see `lend`)."""
-        if self.shared:
-            return buffer
-        return buffer.detach()  # the same memory, no _base: a tensor of its own, as set_() on the storage gives
+    def _carried(self, buffer: torch.Tensor, slot: int):
+        pixels = buffer.numpy()
+        return (buffer if self.shared or self.pin else pixels), pixels, slot
 
     def release(self, slot: int) -> None:
         if slot >= 0:
-            self._flags.reshape(-1)[slot] = 1
+            self._flat[slot] = 1
 
     def lend(self, images: torch.Tensor, slot: int) -> None:
         """The caller gets `images` (the training process's tensor over the slot's memory) itself: the slot is

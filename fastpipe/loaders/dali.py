@@ -96,11 +96,13 @@ class _Feed:
             self.pending.append(batch.ids)
             if batch.io:
                 self.io += batch.io
-            # Labels as DALI takes them: an int32 per sample, or a multi-hot uint8 row for multi-label data.
+            # Labels as DALI takes them: an int32 per sample, or a multi-hot uint8 row for multi-label data (a worker
+            # thread's are numpy arrays, a worker process's tensors)
+            labels = np.asarray(batch.labels)
             if self.loader.manifest.multilabel:
-                yield batch.data, [row.numpy().astype("uint8") for row in batch.labels]
+                yield batch.data, list(labels.astype("uint8"))
             else:
-                yield batch.data, [label.reshape(1).numpy().astype("int32") for label in batch.labels]
+                yield batch.data, list(labels.astype("int32").reshape(-1, 1))
 
 
 def _first_line(e: Exception) -> str:

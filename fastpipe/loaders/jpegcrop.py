@@ -136,16 +136,28 @@ def chunked() -> bool:
 
 def train_chunk(images, key: int, positions: np.ndarray, size: int, min_scale: float, out: np.ndarray,
                 max_pixels: int, lo: int = 0, hi: int | None = None) -> bytes:
-    """Training samples lo..hi of a batch decoded as cpu_ops.decode_train decodes them with the crop decoder and
+    """chunk_decoder's call for a list of each sample's bytes; returns the status of samples lo..hi."""
+    spans = np.array([(i, 0, len(im)) for i, im in enumerate(images)], np.int64).reshape(-1, 3)
+    status = bytearray(b"\x01") * len(images)
+    hi = len(images) if hi is None else hi
+    chunk_decoder(size, min_scale, max_pixels)(list(images), spans, key, positions, out, status, lo, hi)
+    return bytes(status[lo:hi])
+
+
+def chunk_decoder(size: int, min_scale: float, max_pixels: int):
+    """The C training path for these settings: call(views, spans, key, positions, out, status, lo, hi) -> left.
+
+    It decodes training samples lo..hi of a batch as cpu_ops.decode_train decodes them with the crop decoder and
     SampleRng.at(SampleRng.states(...)[i]), bit for bit (crop draws, box decode, OpenCV's INTER_LINEAR resize, flip),
-    straight into out[i] (the batch's buffer: uint8, n x size x size x 3, C-contiguous), in one call that runs without
-    the GIL. `key`: SampleRng.key_state of the batch's (seed, epoch); `positions`: the batch's, int64, contiguous
-    (the C code mixes each into the key). Returns each sample's status: 0 done, 1 for the Python path (a file this
-    path does not take, a decoding error, a box OpenCV shrinks with INTER_AREA)."""
-    if positions.dtype != np.int64 or not positions.flags.c_contiguous:
-        raise TypeError(f"positions: int64 and contiguous, not {positions.dtype}")
-    return ext.train_chunk(images, key, positions, lo, len(images) if hi is None else hi, size, min_scale, out,
-                           min(max_pixels, 1 << 62), MAX_SCANS, crops_fixed())  # a C long; the C limit is lower
+    straight into out[i] (the batch's buffer: uint8, n x size x size x 3, C-contiguous), in one call that runs
+    without the GIL. Sample i's bytes are views[s][a:b] for (s, a, b) = spans[i] (int64, n x 3; sliced in C: no
+    Python object per sample). `key`: SampleRng.key_state of the batch's (seed, epoch); `positions`: the batch's,
+    int64 (the C code mixes each into the key; another dtype is a TypeError). It sets status[i] (n bytes): 0 done, 1
+    for the Python path (bytes outside their view, a file this path does not take, a decoding error, a box OpenCV
+    shrinks with INTER_AREA), and returns how many of lo..hi are 1. The settings are bound here, once: a call from
+    a loader thread runs no Python of its own."""
+    return functools.partial(ext.train_chunk, size, min_scale, min(max_pixels, 1 << 62),  # a C long; C's limit is lower
+                             MAX_SCANS, crops_fixed())
 
 
 def decode_box(data, denom: int, box) -> np.ndarray:

@@ -24,10 +24,11 @@ def fetched_ahead(shards: ShardSet, plan):
     The first window is one batch, so that decoding starts after one small fetch; then windows of FETCH_WINDOW
     batches, doubled each time decoding waited for one. On a store slower to answer than decoding is to use up a
     window (bench_remote at 100 ms), fixed windows left decoding waiting about a round trip per window; a larger
-    one pays the round trip once for more samples, in as many requests at once."""
-    if shards.cache is None:
-        yield from plan
-        return
+    one pays the round trip once for more samples, in as many requests at once. A folder's plan is itself."""
+    return plan if shards.cache is None else _fetching(shards, plan)
+
+
+def _fetching(shards: ShardSet, plan):
     batches, cut, size = list(plan), 0, 1
     if not batches:  # a worker with no batch this epoch (more workers than a small split has batches)
         return

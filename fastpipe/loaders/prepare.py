@@ -24,10 +24,9 @@ import torch
 from fastpipe.dataset.imageguard import DEFAULT_MAX_PIXELS
 from fastpipe.errors import DataError
 from fastpipe.loaders import cpu_ops, jpegcrop
-from fastpipe.loaders.batch import BufferPool, HostBatch
+from fastpipe.loaders.batch import BufferPool, HostBatch, RawBatch
 from fastpipe.loaders.config import LoaderConfig
 from fastpipe.loaders.rng import SampleRng
-from fastpipe.loaders.shards import RawBatch
 
 
 class SampleError(DataError):
@@ -71,11 +70,11 @@ class _Job:
     raw: RawBatch
     positions: np.ndarray
     epoch: int
-    buffer: torch.Tensor
+    buffer: torch.Tensor | np.ndarray  # what the batch carries (BufferPool.take)
     slot: int
     pixels: np.ndarray
     states: np.ndarray | None  # each train sample's generator state (SampleRng.states); None for val and C
-    ok: list[bool]
+    status: bytearray  # each sample's: 0 decoded, 1 not (yet)
     failures: list[str | None]
     decode_s: list[float]  # each part's time (parts may run in several threads at once)
     key: int = 0  # SampleRng.key_state((seed, epoch)): what the C path mixes each position into
@@ -90,6 +89,7 @@ class CpuDecode(_Prepare):
         # files the Python path would give the crop decoder and hands back the others, so the pixels are the same
         self.chunked = (self.train and cfg.cpu_decoder in ("auto", "crop") and jpegcrop.chunked()
                         and cpu_ops.chunk_matches())
+        self._chunk = jpegcrop.chunk_decoder(cfg.image_size, cfg.min_scale, max_pixels) if self.chunked else None
 
     def __call__(self, raw: RawBatch, positions, epoch: int) -> HostBatch:
         job = self.begin(raw, positions, epoch)
@@ -98,40 +98,40 @@ class CpuDecode(_Prepare):
 
     # A batch in three steps, so that worker threads can share one batch's samples (threads.py): begin (its buffer
     # and draws), part (samples lo..hi, decoded straight into the buffer's rows; parts may run at once), end.
-    def begin(self, raw: RawBatch, positions, epoch: int) -> _Job:
-        buffer, slot = self.buffers.take()
+    def begin(self, raw: RawBatch, positions, epoch: int, worker: int | None = None) -> _Job:
+        """`worker`: a worker thread's number, whose buffer pool the batch's buffer comes from."""
+        buffer, pixels, slot = self.buffers.take(worker)
         n = len(raw)
         # one view per batch: a tensor index + .numpy() per image showed in the profile. The C path derives each
         # sample's generator state itself; the Python path's are drawn here, or for a sample the C path leaves to it
         states = SampleRng.states((self.cfg.seed, epoch), positions) if self.train and not self.chunked else None
         key = SampleRng.key_state((self.cfg.seed, epoch)) if self.chunked else 0
         positions = np.ascontiguousarray(positions, np.int64)  # once a batch: its chunks index it in C
-        pixels = buffer.numpy()
         pixels = pixels if len(pixels) == n else pixels[:n]
-        return _Job(raw, positions, epoch, buffer, slot, pixels, states, [False] * n, [None] * n, [], key)
+        return _Job(raw, positions, epoch, buffer, slot, pixels, states, bytearray(b"\x01") * n, [None] * n, [], key)
 
     def part(self, job: _Job, lo: int, hi: int, shards=None) -> None:
         """Samples lo..hi of the batch; `shards`: the ShardSet to fetch a sample again through (its own maps)."""
-        images, pixels, ok = job.raw.images, job.pixels, job.ok  # the per-sample loop: locals
-        start = time.perf_counter()
+        start, status = time.perf_counter(), job.status
         todo = range(lo, hi)
-        if self.chunked and hi > lo:
-            status = jpegcrop.train_chunk(images, job.key, job.positions, self.cfg.image_size, self.cfg.min_scale,
-                                          pixels, self.max_pixels, lo, hi)
-            if any(status):  # bytes, no numpy call per chunk: this Python holds the GIL
-                ok[lo:hi] = [not s for s in status]
-                todo = [i for i, s in enumerate(status, lo) if s]
+        if self._chunk is not None and hi > lo:  # the C path: what it leaves (status 1) goes the Python path
+            raw = job.raw
+            if not self._chunk(raw.views, raw.spans, job.key, job.positions, job.pixels, status, lo, hi):
+                todo = ()
             else:
-                ok[lo:hi], todo = [True] * (hi - lo), ()
+                todo = [i for i in todo if status[i]]
         for i in todo:
-            try:
-                self._decode(images[i], self._rng(job, i), pixels[i])
-                ok[i] = True
-            except Exception as e:  # any decoder failure is this sample's problem, reported with its key
-                said: list[str] = []
-                ok[i] = self._refetched(job.raw, i, job.positions, job.epoch, pixels[i], e, said, shards)
-                job.failures[i] = said[-1] if said else None
+            self._one(job, i, shards)
         job.decode_s.append(time.perf_counter() - start)
+
+    def _one(self, job: _Job, i: int, shards) -> None:
+        try:
+            self._decode(job.raw.images[i], self._rng(job, i), job.pixels[i])
+            job.status[i] = 0
+        except Exception as e:  # any decoder failure is this sample's problem, reported with its key
+            said: list[str] = []
+            job.status[i] = not self._refetched(job.raw, i, job.positions, job.epoch, job.pixels[i], e, said, shards)
+            job.failures[i] = said[-1] if said else None
 
     def _rng(self, job: _Job, i: int) -> SampleRng | None:
         if job.states is not None:
@@ -139,20 +139,19 @@ class CpuDecode(_Prepare):
         return self.rngs(job.epoch, job.positions[i : i + 1])[0]  # chunked (see begin), or val: None
 
     def end(self, job: _Job) -> HostBatch:
+        """The batch, its labels and ids as numpy arrays (HostBatch.tensors makes them tensors in the training
+        thread)."""
         start, raw, buffer, n = time.perf_counter(), job.raw, job.buffer, len(job.raw)
-        if all(job.ok):  # the common case, in few Python steps (they hold the GIL)
-            images = buffer if n == buffer.shape[0] else buffer[:n]
-            batch = HostBatch(raw.labels, torch.from_numpy(raw.ids), images=images, skipped=[], slot=job.slot)
+        if not any(job.status):  # the common case, in few Python steps (they hold the GIL)
+            images = buffer if n == len(buffer) else buffer[:n]
+            batch = HostBatch(raw.labels, raw.ids, images=images, skipped=[], slot=job.slot)
             batch.stages = {"read": raw.read_s, "decode": sum(job.decode_s), "assemble": time.perf_counter() - start}
             return batch
-        good, skipped = [i for i in range(n) if job.ok[i]], [f for f in job.failures if f]
+        good, skipped = [i for i in range(n) if not job.status[i]], [f for f in job.failures if f]
         pick = self._fill(good, n, skipped[-1] if skipped else "") if self.train else good
-        if pick == list(range(n)):
-            batch = HostBatch(raw.labels, torch.from_numpy(raw.ids), images=buffer[:n], skipped=skipped, slot=job.slot)
-        else:
-            buffer[: len(pick)] = buffer[pick].clone()
-            batch = HostBatch(raw.labels[pick], torch.from_numpy(raw.ids[pick]), images=buffer[: len(pick)],
-                              skipped=skipped, slot=job.slot)
+        if pick != list(range(n)):
+            buffer[: len(pick)] = buffer[pick]  # the index copies first
+        batch = HostBatch(raw.labels[pick], raw.ids[pick], images=buffer[: len(pick)], skipped=skipped, slot=job.slot)
         batch.stages = {"read": raw.read_s, "decode": sum(job.decode_s), "assemble": time.perf_counter() - start}
         return batch
 
@@ -198,7 +197,7 @@ class EncodedBytes(_Prepare):
         if self.train and len(keep) < len(raw):  # keep the batch shape with copies of good samples
             pick = self._fill(list(range(len(keep))), len(raw), skipped[-1] if skipped else "")
             keep, boxes, flips = [keep[i] for i in pick], [boxes[i] for i in pick], [flips[i] for i in pick]
-        return HostBatch(raw.labels[keep], torch.from_numpy(raw.ids[keep]),
+        return HostBatch(raw.labels[keep], raw.ids[keep],
                          data=[torch.frombuffer(bytearray(raw.images[i]), dtype=torch.uint8) for i in keep],
                          boxes=torch.tensor(boxes, dtype=torch.int64).reshape(-1, 4),
                          flips=torch.tensor(flips, dtype=torch.bool), skipped=skipped,
@@ -207,5 +206,5 @@ class EncodedBytes(_Prepare):
 
 class Raw(_Prepare):
     def __call__(self, raw: RawBatch, positions, epoch: int) -> HostBatch:
-        return HostBatch(raw.labels, torch.from_numpy(raw.ids), data=[np.frombuffer(im, np.uint8) for im in raw.images],
+        return HostBatch(raw.labels, raw.ids, data=[np.frombuffer(im, np.uint8) for im in raw.images],
                          stages={"read": raw.read_s})

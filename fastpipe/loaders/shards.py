@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 import numpy as np
-import torch
 
 from fastpipe.dataset.manifest import MANIFEST_NAME, Manifest
-from fastpipe.dataset.shardformat import BLOCK, decode_label, parse_index, range_as_indexed, read_index
+from fastpipe.dataset.shardformat import BLOCK, decode_label, label_array, parse_index, range_as_indexed, read_index
 from fastpipe.errors import DataError
+from fastpipe.loaders.batch import RawBatch
 from fastpipe.loaders.epoch import Piece
 from fastpipe.store.location import Folder
 
@@ -36,37 +36,6 @@ class RawSample:
     shard: str
     image: bytes
     label: int | tuple[int, ...]  # a class index, or a multi-label sample's class indices
-
-
-def label_tensor(labels: list, num_classes: int, multilabel: bool) -> torch.Tensor:
-    """int64 class indices, or for multi-label data float32 multi-hot rows (N, K)."""
-    if not multilabel:
-        return torch.tensor(labels, dtype=torch.int64)
-    hot = torch.zeros((len(labels), num_classes), dtype=torch.float32)
-    for row, ks in enumerate(labels):
-        hot[row, list(ks)] = 1.0
-    return hot
-
-
-@dataclass
-class RawBatch:
-    """The samples of one batch as read, in parallel arrays (no object per sample: the hot path of every worker).
-    `images` are zero-copy views of the shards' memory maps; `labels` is the batch's label tensor (int64 class
-    indices, or float32 multi-hot rows for multi-label data)."""
-
-    shards: ShardSet
-    ids: np.ndarray
-    images: list[memoryview]
-    labels: torch.Tensor
-    read_s: float = 0.0  # seconds this read took, waiting for a fetch ahead of it included (loader.stats.stages)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def name(self, i: int) -> str:
-        """'sample KEY in shard NAME' of the batch's i-th sample, for messages."""
-        sid = int(self.ids[i])
-        return f"sample {self.shards.keys[sid]} in shard {self.shards.names[int(self.shards.shard_of(sid))]}"
 
 
 def _cached_entries(text: bytes, shard):
@@ -103,6 +72,7 @@ class ShardSet:
         self.cache = None
         # each single-label sample's label once read (-1: not yet), per process: later epochs gather them in one step
         self.known = None if self.multilabel else np.full(n, -1, np.int64)  # the batch's dtype: no conversion
+        self._unknown = np.array([n])  # samples of `known` still -1: once none, a batch's labels are one gather
         self.fetch_wait_s = 0.0  # waited for a fetch ahead (prefetch.fetched_ahead) since the last read
         if self.files.cache is not None:
             self._check_remote(manifest, info)
@@ -110,7 +80,8 @@ class ShardSet:
             for i, shard in enumerate(info.shards):
                 self._check(manifest, i, shard)
         self._maps: dict[int, mmap.mmap] = {}
-        self._views: dict[int, memoryview] = {}
+        self._views: list[memoryview | None] = [None] * len(self.paths)  # by shard: what a batch's spans index
+        self._unmapped = np.array([len(self.paths)])  # shards without a view (in place: copies share it)
         self._arrays: dict[int, np.ndarray] = {}
         # per sample, what a batch's read gathers in one step: its shard, and its image's start and end
         ends = self.offsets[:, 0] + self.sizes[:, 0]
@@ -195,12 +166,13 @@ class ShardSet:
         return m
 
     def _view(self, shard: int, offset: int, size: int) -> memoryview:
-        mv = self._views.get(shard)
+        mv = self._views[shard]
         if mv is None:
             mv = memoryview(self._map(shard))
             if len(mv) < self._need[shard]:  # checked once, where it is mapped: a batch's slices are then whole
                 self._truncated(shard, self._need[shard])
             self._views[shard] = mv
+            self._unmapped -= 1
         data = mv[offset : offset + size]
         if len(data) != size:
             self._truncated(shard, offset + size)
@@ -231,10 +203,12 @@ class ShardSet:
         for s, m in maps.items() if remap else ():
             if self._maps.get(s) is not m:  # the cached file was evicted and fetched again since
                 self._maps[s] = m
-                self._views.pop(s, None)
+                if self._views[s] is not None:
+                    self._views[s] = None
+                    self._unmapped += 1
                 self._arrays.pop(s, None)
 
-    def refetch(self, i: int) -> tuple[memoryview, torch.Tensor] | None:
+    def refetch(self, i: int) -> tuple[memoryview, np.ndarray] | None:
         """Remote data: sample i fetched again from the store, (its image, its label row); None for local data,
         where there is nothing to fetch. A cached copy that does not decode is fetched once more before the sample
         is called bad: the damage may be the cache's, and then its label bytes are suspect too."""
@@ -243,8 +217,9 @@ class ShardSet:
         s = int(self.shard_of(i))
         self.cache.forget(s, np.array([i - int(self.starts[s])]))
         ids, shards = np.array([i]), np.array([s])
-        if self.known is not None:
+        if self.known is not None and self.known[i] >= 0:
             self.known[i] = -1  # read from the damaged copy, maybe: read again
+            self._unknown += 1
         self.fetch(ids, shards)
         label = self.labels(ids, shards)[0]
         return self._view(s, int(self.offsets[i, 0]), int(self.sizes[i, 0])), label
@@ -264,38 +239,39 @@ class ShardSet:
                          self.label(i, shard, self._bytes(shard, int(lo_), int(ln_))))
 
     def read(self, ids) -> RawBatch:
-        """The samples `ids` (global ids), their images as views and their labels decoded batch-wise. In few Python
-        steps: a worker thread runs them holding the GIL the training step needs."""
+        """The samples `ids` (global ids): where each one's image is in the shards' memory maps, and their labels
+        decoded batch-wise. In few Python steps: a worker thread runs them holding the GIL the training step needs."""
         start, self.fetch_wait_s = time.perf_counter() - self.fetch_wait_s, 0.0
         ids = np.asarray(ids, dtype=np.int64)
-        rows = self.spans[ids].tolist()  # [shard, start, end] each
+        spans = self.spans[ids]
         if self.cache is not None:
             self.fetch(ids)
-        views = self._views
-        for s in {r[0] for r in rows} - views.keys():
-            self._view(s, 0, 0)  # mapped, its bounds checked
-        images = [views[s][o:e] for s, o, e in rows]
-        return RawBatch(self, ids, images, self.labels(ids), time.perf_counter() - start)
+        for s in np.unique(spans[:, 0]).tolist() if self._unmapped[0] else ():
+            self._view(s, 0, 0)  # mapped (once), its bounds checked
+        # a store's: this batch's own list of maps, as a later fetch of this reader may replace a shard's
+        views = self._views if self.cache is None else list(self._views)
+        return RawBatch(self, ids, views, spans, self.labels(ids), time.perf_counter() - start)
 
-    def labels(self, ids: np.ndarray, shards: np.ndarray | None = None) -> torch.Tensor:
-        """The batch's label tensor. Binary `.lbl` records (what the converter writes) are gathered from the memory
-        maps in one step per shard; text labels (foreign shards) or a record of the wrong size are decoded one by
-        one, so that a bad one is named."""
+    def labels(self, ids: np.ndarray, shards: np.ndarray | None = None) -> np.ndarray:
+        """The batch's labels (label_array's). Binary `.lbl` records (what the converter writes) are gathered from
+        the memory maps in one step per shard; text labels (foreign shards) or a record of the wrong size are decoded
+        one by one, so that a bad one is named."""
         seen = self.known[ids] if self.known is not None else None
-        if seen is not None and (not len(seen) or seen.min() >= 0):
-            return torch.from_numpy(seen)
+        if seen is not None and (not self._unknown[0] or not len(seen) or seen.min() >= 0):  # read before
+            return seen
         shards = self.shard_of(ids) if shards is None else shards
         labels = self._labels(ids, shards, self.offsets[ids, 1], self.sizes[ids, 1])
         if self.known is not None:
-            self.known[ids] = labels.numpy()
+            self._unknown -= len(np.unique(ids[self.known[ids] < 0]))  # in place: copies share it
+            self.known[ids] = labels
         return labels
 
-    def _labels(self, ids: np.ndarray, shards: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> torch.Tensor:
+    def _labels(self, ids: np.ndarray, shards: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         width = self.num_classes if self.multilabel else 4
         if self.label_ext != "lbl" or not (sizes == width).all():
             labels = [self.label(int(i), int(s), self._bytes(int(s), int(o), int(n)))
                       for i, s, o, n in zip(ids, shards, offsets, sizes)]
-            return label_tensor(labels, self.num_classes, self.multilabel)
+            return label_array(labels, self.num_classes, self.multilabel)
         raw = np.empty((len(ids), width), np.uint8)
         for s in np.unique(shards).tolist():
             rows = shards == s
@@ -305,13 +281,13 @@ class ShardSet:
                 self._truncated(s, int(where.max()) + 1)
             raw[rows] = data[where]
         if self.multilabel:
-            return torch.from_numpy((raw != 0).astype(np.float32))
+            return (raw != 0).astype(np.float32)
         labels = raw.view("<i4")[:, 0].astype(np.int64)
         bad = np.flatnonzero((labels < 0) | (labels >= self.num_classes))
         if len(bad):  # named by the one-by-one path
             i = int(ids[bad[0]])
             self.label(i, int(shards[bad[0]]), self._bytes(int(shards[bad[0]]), int(offsets[bad[0]]), width))
-        return torch.from_numpy(labels)
+        return labels
 
     def read_piece(self, piece: Piece) -> list[RawSample]:
         first = int(self.starts[piece.shard]) + piece.start
@@ -340,7 +316,15 @@ class ShardSet:
         except (ValueError, AttributeError):
             return None
 
+    def __copy__(self):
+        """Another thread's ShardSet: a folder's maps are shared (they never change, and each epoch's threads would
+        map every shard again); a store's start empty, as a fetch may replace a shard's map (threads._own_shards)."""
+        mine = object.__new__(ShardSet)
+        mine.__dict__.update(self.__dict__ if self.cache is None else self.__getstate__())
+        return mine
+
     def __getstate__(self):
         state = dict(self.__dict__)
-        state["_maps"], state["_views"], state["_arrays"] = {}, {}, {}  # memory maps are per process
+        state["_maps"], state["_views"], state["_arrays"] = {}, [None] * len(self.paths), {}
+        state["_unmapped"] = np.array([len(self.paths)])  # memory maps are per process
         return state

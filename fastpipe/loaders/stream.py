@@ -45,7 +45,7 @@ def sample_weights(shards: ShardSet, class_weights) -> np.ndarray:
     for s in range(len(shards.paths)):
         ids = np.arange(int(shards.starts[s]), int(shards.starts[s + 1]))
         shards.fetch(ids, np.full(len(ids), s))  # remote data: the whole split comes into the cache
-        y = shards.labels(ids, np.full(len(ids), s))
+        y = torch.from_numpy(shards.labels(ids, np.full(len(ids), s)))
         if shards.multilabel:  # the largest weight among the present labels; 1 where none is present
             out[ids] = torch.where(y > 0, w, 0.0).amax(1).where(y.sum(1) > 0, 1.0).numpy()
         else:
@@ -65,19 +65,24 @@ class SampleStream(IterableDataset):
             self.position.share_memory_()
 
     def plan(self, worker: int, workers: int):
-        """(sample ids, their positions in the epoch's sequence) of each batch this worker makes, in order."""
+        """(sample ids, their positions in the epoch's sequence) of each batch this worker makes, in order. The
+        epoch's sequence is drawn here, when the plan is made (worker threads': in the training thread, before they
+        start), not at its first batch."""
         cfg, epoch = self.cfg, int(self.epoch[0])
         if cfg.split == "val":
-            for b, pieces in enumerate(val_batches(self.shards.counts, cfg.rank, cfg.world_size, cfg.batch_size)):
-                if b % workers == worker:
-                    ids = np.concatenate([np.arange(p.count) + self.shards.starts[p.shard] + p.start for p in pieces])
-                    yield ids, ids
-            return
+            return self._val_plan(worker, workers)
         sequence, position = self.order.sequence(epoch), int(self.position[0])
         steps = batches_per_epoch("train", len(sequence), cfg.batch_size, cfg.world_size, position)
-        for t in range(worker, steps, workers):
-            where = step_slice(position, t, cfg.rank, cfg.world_size, cfg.batch_size)
-            yield sequence[where], np.arange(where.start, where.stop)
+        rank, world, size = cfg.rank, cfg.world_size, cfg.batch_size
+        cuts = (step_slice(position, t, rank, world, size) for t in range(worker, steps, workers))
+        return ((sequence[w], np.arange(w.start, w.stop)) for w in cuts)
+
+    def _val_plan(self, worker: int, workers: int):
+        cfg = self.cfg
+        for b, pieces in enumerate(val_batches(self.shards.counts, cfg.rank, cfg.world_size, cfg.batch_size)):
+            if b % workers == worker:
+                ids = np.concatenate([np.arange(p.count) + self.shards.starts[p.shard] + p.start for p in pieces])
+                yield ids, ids
 
     def __iter__(self):
         info = get_worker_info()

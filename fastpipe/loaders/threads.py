@@ -34,7 +34,7 @@ import threading
 from torch.utils.data import IterableDataset
 
 from fastpipe.errors import FastpipeError
-from fastpipe.loaders.batch import HostBatch, set_worker_thread
+from fastpipe.loaders.batch import HostBatch
 from fastpipe.loaders.prefetch import fetched_ahead
 
 THREAD_NAME = "fastpipe-loader"
@@ -50,11 +50,11 @@ class _Raised:
 
 
 def _own_shards(stream):
-    """The stream with its own maps of the shards, as a worker process has it: with data in object storage, another
-    thread's fetch may replace a shard's map (a cached file evicted and fetched again), and a batch must be read
-    through the map its samples were made present in (ShardCache.ensure)."""
+    """The stream with its own maps of a store's shards, as a worker process has it: another thread's fetch may
+    replace a shard's map (a cached file evicted and fetched again), and a batch must be read through the map its
+    samples were made present in (ShardCache.ensure). A folder's maps never change: the copies share them."""
     mine = copy.copy(stream)
-    mine.shards = copy.copy(stream.shards)  # ShardSet's copy starts without maps; its cache is shared (thread-safe)
+    mine.shards = copy.copy(stream.shards)  # ShardSet.__copy__; the node cache is shared (thread-safe)
     return mine
 
 
@@ -199,14 +199,13 @@ class LoaderThreads:
 
     def _open(self, t: int) -> _Batch | None:
         """Batch t read and begun (its buffer from the pool of worker t % N), or None after the plan's last."""
-        set_worker_thread(t % self.workers, self.workers)
         try:
             item = next(self._plan, None)
             if item is None:
                 return None
             ids, positions = item
             raw = self._reader.shards.read(ids)
-            job = self.prepare.begin(raw, positions, self.epoch) if self.split else (raw, positions)
+            job = self.prepare.begin(raw, positions, self.epoch, t % self.workers) if self.split else (raw, positions)
             return _Batch(job, len(ids), self.split, self.workers)
         except BaseException as e:
             return _Batch.unopened(_failure(e))
