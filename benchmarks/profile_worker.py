@@ -70,22 +70,27 @@ def profile(shards: str, epochs: int) -> dict:
 
 
 def gil_held(shards: str, epochs: int, batch: int = 64, where: str = "worker thread") -> dict:
-    """µs per image that hold the GIL: the wall time less the time inside the calls that release it (the crop
-    decoder's decode and its training chunks, simplejpeg's decode, OpenCV's resize and flip), timed by wrapping
-    them; no profiler. What worker threads cannot run in parallel, and what they take from a training step.
+    """µs per image that hold the GIL: the wall time less the time the calls that release it ran without it: the
+    crop decoder's (its header, decode and training chunks: their own clock, `released()`, so what they do holding
+    the GIL, taking and giving back their arguments, counts as held) and simplejpeg's decode and OpenCV's resize and
+    flip (timed by wrapping them: what they hold is counted as released). What worker threads cannot run in
+    parallel, and what they take from a training step.
 
     where="worker thread": what one of 2 worker threads runs, its calls one after another in this thread (a batch
-    opened: the plan, the shard read, the buffer and the draws; its chunks decoded; the batch ended), and nothing
-    else. where="one process": the whole loop with no workers (num_workers=0), the DataLoader's iteration, the
-    loader's own bookkeeping and the consumer's loop over the batches included."""
+    opened: the plan, the shard read, the buffer and the draws; its chunks decoded; the batch ended; its buffer
+    released, as the training process does once it has copied the batch out), and nothing else: each epoch's
+    LoaderThreads is made (the epoch's plan drawn) by the training thread before the threads start, and its time is
+    left out. where="one
+    process": the whole loop with no workers (num_workers=0), the DataLoader's iteration, the loader's own
+    bookkeeping and the consumer's loop over the batches included."""
     import itertools
     import time
 
-    from fastpipe.loaders import batch as batch_module
     from fastpipe.loaders import cpu_ops, jpegcrop
     from fastpipe.loaders.threads import LoaderThreads
 
     inside = [0.0, 0.0]  # wall, this thread's CPU
+    made = [0.0, 0.0]  # the same, making each epoch's LoaderThreads (the training thread's work)
 
     def timed(fn):
         def call(*a, **k):
@@ -102,11 +107,14 @@ def gil_held(shards: str, epochs: int, batch: int = 64, where: str = "worker thr
     loader = make_loader(shards, "torch", batch_size=batch, image_size=224, num_workers=2 if threads else 0,
                          threads=True if threads else None, device="cpu", normalize=False)
     targets = [(cpu_ops.cv2, "resize"), (cpu_ops.cv2, "flip"), (cpu_ops.simplejpeg, "decode_jpeg")]
-    targets += [(jpegcrop.ext, n) for n in ("decode", "header", "train_chunk") if hasattr(jpegcrop.ext, n)]
+    pool = loader.dataset.prepare.buffers
 
     def thread_epoch(e):  # a worker thread's calls (threads.py), without the thread
         loader.dataset.epoch[0] = e
+        t, c = time.perf_counter(), time.thread_time()
         work, n = LoaderThreads(loader.dataset, 2, loader.prefetch), 0
+        made[0] += time.perf_counter() - t
+        made[1] += time.thread_time() - c
         own = work._reader.shards
         for t in itertools.count():
             b = work._open(t)
@@ -115,6 +123,7 @@ def gil_held(shards: str, epochs: int, batch: int = 64, where: str = "worker thr
             for chunk in b.chunks:
                 work._work(b, chunk, own)
             n += len(b.result.labels)
+            pool.release(b.result.slot)
             b.result = None
 
     def run():
@@ -128,22 +137,24 @@ def gil_held(shards: str, epochs: int, batch: int = 64, where: str = "worker thr
         return n
 
     run()  # warm
+    made[:] = [0.0, 0.0]
     saved = [(m, name, getattr(m, name)) for m, name in targets]
     for m, name, fn in saved:
         setattr(m, name, timed(fn))
     try:
-        t, c = time.perf_counter(), time.thread_time()
+        t, c, (rw, rc) = time.perf_counter(), time.thread_time(), jpegcrop.ext.released()
         images = run()
-        wall, cpu = time.perf_counter() - t, time.thread_time() - c
+        wall, cpu = time.perf_counter() - t - made[0], time.thread_time() - c - made[1]
+        rw, rc = (now - then for now, then in zip(jpegcrop.ext.released(), (rw, rc)))
     finally:
         for m, name, fn in saved:
             setattr(m, name, fn)
         loader.close()
-        batch_module._thread.worker = None  # this thread ran a worker thread's calls: it is the main thread again
-    return {"images": images, "us_per_image": 1e6 * wall / images,
-            "gil_held_us_per_image": 1e6 * (wall - inside[0]) / images, "gil_held_share": 1 - inside[0] / wall,
+    held = wall - inside[0] - rw
+    return {"images": images, "us_per_image": 1e6 * wall / images, "gil_held_us_per_image": 1e6 * held / images,
+            "gil_held_share": held / wall,
             # the same from this thread's CPU time: what other work on the machine took of it left out
-            "gil_held_cpu_share": 1 - inside[1] / cpu}
+            "gil_held_cpu_share": 1 - (inside[1] + rc) / cpu}
 
 
 WHERE = ("worker thread", "one process")
