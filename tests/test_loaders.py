@@ -511,6 +511,21 @@ def test_workers_are_not_forked_from_a_process_holding_dali(converted):
 
 
 @pytest.mark.parametrize("threads", MODES)
+def test_a_uint8_batch_kept_as_numpy_stays_intact(converted, threads):
+    """A notebook's habit: each batch kept as a numpy array (or a slice of one), the tensor dropped. The buffer
+    under it is not handed to a later batch while the array lives."""
+    kw = {**KW, "batch_size": 1, "num_workers": 2, "prefetch_factor": 2, "seed": 4, "normalize": False,
+          "threads": threads}
+    loader = make_loader(converted, "torch", **kw)
+    held = [(x.numpy()[0], x.numpy().copy()) for x, _ in loader]
+    for _ in range(2):  # more epochs, written into buffers while the arrays are held
+        for _ in loader:
+            pass
+    for kept, copy in held:
+        assert np.array_equal(kept, copy[0])
+
+
+@pytest.mark.parametrize("threads", MODES)
 def test_uint8_batches_reuse_buffers_yet_stay_intact_while_held(converted, monkeypatch, threads):
     """uint8 on the CPU hands out the workers' buffers themselves. Batches kept across a whole second epoch are not
     overwritten; batches dropped at once go back to the pool and are written again."""
@@ -519,7 +534,7 @@ def test_uint8_batches_reuse_buffers_yet_stay_intact_while_held(converted, monke
     from fastpipe.loaders.batch import BufferPool
 
     lent, lend = [], BufferPool.lend
-    monkeypatch.setattr(BufferPool, "lend", lambda pool, images, slot: (lent.append(slot), lend(pool, images, slot)))
+    monkeypatch.setattr(BufferPool, "lend", lambda pool, images, slot: (lent.append(slot), lend(pool, images, slot))[1])
     loader = make_loader(converted, "torch", **kw)
     held = [(x[0], y) for x, y in loader]  # a view of each batch, as a user might keep a slice
     copies = [(x.clone(), y) for x, y in held]

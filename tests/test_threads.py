@@ -160,6 +160,41 @@ def test_each_epochs_threads_read_a_folders_shards_through_the_maps_made_once(co
     assert not mapped
 
 
+def test_two_threads_mapping_one_shard_at_once_count_it_once(converted, monkeypatch):
+    """A folder's ShardSet and its copies (each epoch's threads) share their maps: a shard two of them map at once is
+    mapped once, and the count of shards left to map stays right, so no batch is read through a missing map."""
+    import copy
+
+    from fastpipe.dataset.loading import load
+    from fastpipe.loaders.shards import ShardSet
+
+    shards = ShardSet(load(converted), "train")
+    other = copy.copy(shards)
+    entered, go, again, calls, real = threading.Event(), threading.Event(), threading.Event(), [], ShardSet._map
+
+    def slow_map(self, shard):
+        calls.append(shard)
+        if len(calls) == 1:
+            entered.set()
+            go.wait(10)
+        else:
+            again.set()
+        return real(self, shard)
+
+    monkeypatch.setattr(ShardSet, "_map", slow_map)
+    first = threading.Thread(target=shards._view, args=(0, 0, 0))
+    first.start()
+    assert entered.wait(10)
+    second = threading.Thread(target=other._view, args=(0, 0, 0))
+    second.start()
+    again.wait(0.5)  # without the lock, the second thread maps it too
+    go.set()
+    first.join()
+    second.join()
+    assert calls == [0] and shards._views[0] is not None
+    assert int(shards._unmapped[0]) == len(shards.paths) - 1
+
+
 def test_threads_run_where_dev_shm_is_read_only(converted, tmp_path):
     """A real /dev/shm nothing can be written to, in a private mount namespace."""
     if shutil.which("unshare") is None or subprocess.run(

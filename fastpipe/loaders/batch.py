@@ -195,14 +195,17 @@ class BufferPool:
         if slot >= 0:
             self._flat[slot] = 1
 
-    def lend(self, images: torch.Tensor, slot: int) -> None:
-        """The caller gets `images` (the training process's tensor over the slot's memory) itself: the slot is
-        released when that tensor, or the batch's own tensor it is a view of, is freed. Every view (a slice, a
-        permute, `.numpy()`) keeps it alive through `_base`, so no view can see the buffer rewritten."""
-        if slot >= 0:
-            self.lent.add(slot)
-            root = images if images._base is None else images._base  # a batch is the first rows of its buffer
-            weakref.finalize(root, self._returned, slot).atexit = False
+    def lend(self, images: torch.Tensor, slot: int) -> torch.Tensor:
+        """The tensor to give the caller for `images` (the batch's tensor over the slot's memory): made from a numpy
+        view of its own, and the slot is released when that view is freed. Every view of the tensor keeps it alive
+        (a slice or a permute through `_base`, `.numpy()` and its slices through their base), so none can see the
+        buffer rewritten."""
+        if slot < 0:
+            return images
+        self.lent.add(slot)
+        carrier = images.numpy()[:]
+        weakref.finalize(carrier, self._returned, slot).atexit = False
+        return torch.from_numpy(carrier)
 
     def _returned(self, slot: int) -> None:
         self.lent.discard(slot)

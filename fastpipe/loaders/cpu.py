@@ -52,10 +52,15 @@ class TorchLoader(StreamLoader):
         self._copying.clear()
         return super()._host_batches()
 
+    def _to_device(self, batch: HostBatch):
+        if self.hands_out_buffer:  # lent before anything views it: the caller's views are the lent tensor's
+            batch.images = self.buffers.lend(batch.images, batch.slot)
+        return super()._to_device(batch)
+
     def _release(self, batch: HostBatch) -> None:
         if self.hands_out_buffer:
-            self.buffers.lend(batch.images, batch.slot)
-        elif self.buffers.pin and self.device.type == "cuda":
+            return  # lent in _to_device
+        if self.buffers.pin and self.device.type == "cuda":
             self._after_copy(batch.slot)
         else:
             self.buffers.release(batch.slot)

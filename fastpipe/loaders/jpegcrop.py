@@ -129,9 +129,9 @@ def scale_for(w: int, h: int, box, size: int, sampling=((1, 1),)) -> int:
 
 
 def chunked() -> bool:
-    """Whether this extension has train_chunk (one built before it existed has not); cpu_ops.chunk_matches checks
-    its pixels against the Python path's."""
-    return ext is not None and hasattr(ext, "train_chunk")
+    """Whether this extension has train_chunk as this module calls it (one built before has not, or another
+    train_chunk: `released` came with this one); cpu_ops.chunk_matches checks its pixels against the Python path's."""
+    return ext is not None and hasattr(ext, "train_chunk") and hasattr(ext, "released")
 
 
 def train_chunk(images, key: int, positions: np.ndarray, size: int, min_scale: float, out: np.ndarray,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -72,7 +73,6 @@ class ShardSet:
         self.cache = None
         # each single-label sample's label once read (-1: not yet), per process: later epochs gather them in one step
         self.known = None if self.multilabel else np.full(n, -1, np.int64)  # the batch's dtype: no conversion
-        self._unknown = np.array([n])  # samples of `known` still -1: once none, a batch's labels are one gather
         self.fetch_wait_s = 0.0  # waited for a fetch ahead (prefetch.fetched_ahead) since the last read
         if self.files.cache is not None:
             self._check_remote(manifest, info)
@@ -82,6 +82,7 @@ class ShardSet:
         self._maps: dict[int, mmap.mmap] = {}
         self._views: list[memoryview | None] = [None] * len(self.paths)  # by shard: what a batch's spans index
         self._unmapped = np.array([len(self.paths)])  # shards without a view (in place: copies share it)
+        self._mapping = threading.Lock()
         self._arrays: dict[int, np.ndarray] = {}
         # per sample, what a batch's read gathers in one step: its shard, and its image's start and end
         ends = self.offsets[:, 0] + self.sizes[:, 0]
@@ -168,15 +169,23 @@ class ShardSet:
     def _view(self, shard: int, offset: int, size: int) -> memoryview:
         mv = self._views[shard]
         if mv is None:
-            mv = memoryview(self._map(shard))
-            if len(mv) < self._need[shard]:  # checked once, where it is mapped: a batch's slices are then whole
-                self._truncated(shard, self._need[shard])
-            self._views[shard] = mv
-            self._unmapped -= 1
+            mv = self._mapped(shard)
         data = mv[offset : offset + size]
         if len(data) != size:
             self._truncated(shard, offset + size)
         return data
+
+    def _mapped(self, shard: int) -> memoryview:
+        """The shard's view, mapped once: a folder's copies (other threads) share the views and their count."""
+        with self._mapping:
+            mv = self._views[shard]
+            if mv is None:
+                mv = memoryview(self._map(shard))
+                if len(mv) < self._need[shard]:  # checked once, where it is mapped: a batch's slices are then whole
+                    self._truncated(shard, self._need[shard])
+                self._views[shard] = mv
+                self._unmapped -= 1
+            return mv
 
     def _truncated(self, shard: int, end: int):
         raise ShardError(f"shard {self.where(shard)} ends before byte {end}: the file was truncated after the loader "
@@ -202,11 +211,12 @@ class ShardSet:
         maps = self.cache.ensure({s: ids[shards == s] - self.starts[s] for s in np.unique(shards).tolist()})
         for s, m in maps.items() if remap else ():
             if self._maps.get(s) is not m:  # the cached file was evicted and fetched again since
-                self._maps[s] = m
-                if self._views[s] is not None:
-                    self._views[s] = None
-                    self._unmapped += 1
-                self._arrays.pop(s, None)
+                with self._mapping:
+                    self._maps[s] = m
+                    if self._views[s] is not None:
+                        self._views[s] = None
+                        self._unmapped += 1
+                    self._arrays.pop(s, None)
 
     def refetch(self, i: int) -> tuple[memoryview, np.ndarray] | None:
         """Remote data: sample i fetched again from the store, (its image, its label row); None for local data,
@@ -217,9 +227,8 @@ class ShardSet:
         s = int(self.shard_of(i))
         self.cache.forget(s, np.array([i - int(self.starts[s])]))
         ids, shards = np.array([i]), np.array([s])
-        if self.known is not None and self.known[i] >= 0:
+        if self.known is not None:
             self.known[i] = -1  # read from the damaged copy, maybe: read again
-            self._unknown += 1
         self.fetch(ids, shards)
         label = self.labels(ids, shards)[0]
         return self._view(s, int(self.offsets[i, 0]), int(self.sizes[i, 0])), label
@@ -257,12 +266,11 @@ class ShardSet:
         the memory maps in one step per shard; text labels (foreign shards) or a record of the wrong size are decoded
         one by one, so that a bad one is named."""
         seen = self.known[ids] if self.known is not None else None
-        if seen is not None and (not self._unknown[0] or not len(seen) or seen.min() >= 0):  # read before
+        if seen is not None and (not len(seen) or seen.min() >= 0):  # read before
             return seen
         shards = self.shard_of(ids) if shards is None else shards
         labels = self._labels(ids, shards, self.offsets[ids, 1], self.sizes[ids, 1])
         if self.known is not None:
-            self._unknown -= len(np.unique(ids[self.known[ids] < 0]))  # in place: copies share it
             self.known[ids] = labels
         return labels
 
@@ -320,11 +328,19 @@ class ShardSet:
         """Another thread's ShardSet: a folder's maps are shared (they never change, and each epoch's threads would
         map every shard again); a store's start empty, as a fetch may replace a shard's map (threads._own_shards)."""
         mine = object.__new__(ShardSet)
-        mine.__dict__.update(self.__dict__ if self.cache is None else self.__getstate__())
+        if self.cache is None:
+            mine.__dict__.update(self.__dict__)
+        else:
+            mine.__setstate__(self.__getstate__())
         return mine
 
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_maps"], state["_views"], state["_arrays"] = {}, [None] * len(self.paths), {}
         state["_unmapped"] = np.array([len(self.paths)])  # memory maps are per process
+        del state["_mapping"]
         return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._mapping = threading.Lock()

@@ -9,8 +9,8 @@ import sys
 from fastpipe.util import read_json, usable_cores
 
 # Worker threads by default up to this many workers (where the decoder releases the GIL). Each image still holds
-# the GIL for about 2.5 % of a worker thread's time with the crop decoder's C path, 7.5 % with the per-sample path
-# (a batch's bookkeeping: benchmarks/profile_worker.py --gil), so N threads keep it busy about N x 2.5-7.5 % of the
+# the GIL for about 1 % of a worker thread's time with the crop decoder's C path, 7 % with the per-sample path
+# (a batch's bookkeeping: benchmarks/profile_worker.py --gil), so N threads keep it busy about N x 1-7 % of the
 # time, plus what the training step holds. Not yet measured on a many-core host; above this, processes, unless
 # /dev/shm cannot hold their batches (processes would then be cut down to fit).
 DEFAULT_THREADS_UP_TO = 8
