@@ -16,9 +16,9 @@ from fastpipe.util import read_json, usable_cores
 DEFAULT_THREADS_UP_TO = 8
 # A training step whose thread runs this share of it or more (Python that never pauses: a launch-bound step) holds
 # the GIL the loader's threads need: the default switches to worker processes after the first epoch. Measured with
-# a stand-in step (benchmarks/bench_step.py, docs/benchmarks.md): where the step held the GIL 8 ms of 8, processes
-# gave 1.03x the threads' steps/s; 3 of 3, they were even (0.99x); where it released it for part of the step,
-# threads were even or ahead (1.24x at 1 ms of 6).
+# a stand-in step (benchmarks/bench_step.py, docs/results/step.json): where the step held the GIL 8 ms of 8, processes
+# gave 1.06x the threads' steps/s; 3 of 3, about even (1.02x); where it released it for part of the step, threads
+# were even or ahead (1.28x at 1 ms of 6).
 STEP_PYTHON = 0.6
 # ... at once where the loop waited for batches; where it did not, after one epoch in processes, if the loop ran this
 # much faster in them (threads keep their memory and /dev/shm savings otherwise).
