@@ -197,15 +197,25 @@ class BufferPool:
 
     def lend(self, images: torch.Tensor, slot: int) -> torch.Tensor:
         """The tensor to give the caller for `images` (the batch's tensor over the slot's memory): made from a numpy
-        view of its own, and the slot is released when that view is freed. Every view of the tensor keeps it alive
-        (a slice or a permute through `_base`, `.numpy()` and its slices through their base), so none can see the
-        buffer rewritten."""
+        view of its own, and the slot is released when both that view and the tensor are freed. Every view of the
+        tensor keeps one of them alive (a slice or a permute through `_base`, `.numpy()` and its slices through
+        their base), so none can see the buffer rewritten. Not covered: a tensor moved into shared memory
+        (share_memory_(), a torch.multiprocessing queue) is copied there and lets go of the view, while a numpy
+        array taken from it before still reads the slot (the load guide says: take it after, or send a clone)."""
         if slot < 0:
             return images
         self.lent.add(slot)
         carrier = images.numpy()[:]
-        weakref.finalize(carrier, self._returned, slot).atexit = False
-        return torch.from_numpy(carrier)
+        given = torch.from_numpy(carrier)
+        last = [True, False]  # popped by each finalizer: the second, whichever it is, gets True (list.pop is atomic)
+
+        def gone():
+            if last.pop():
+                self._returned(slot)
+
+        weakref.finalize(carrier, gone).atexit = False
+        weakref.finalize(given, gone).atexit = False
+        return given
 
     def _returned(self, slot: int) -> None:
         self.lent.discard(slot)
@@ -213,6 +223,6 @@ class BufferPool:
 
     def release_all(self) -> None:
         """Every slot free but those the caller still holds (between epochs: batches abandoned in flight)."""
-        self.free.fill_(1)
-        for slot in self.lent:
-            self.free.view(-1)[slot] = 0
+        flags = np.ones_like(self._flat)
+        flags[list(self.lent)] = 0  # a copy: a finalizer may change `lent` meanwhile
+        self._flat[:] = flags  # in one step: no moment where a slot the caller holds reads free
