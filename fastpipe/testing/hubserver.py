@@ -79,7 +79,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _route(self, method: str) -> None:
         path = unquote(urlsplit(self.path).path)
-        self._sent = 0
+        self._asked, self._logged = (method, path), False
         time.sleep(self.hub.latency)
         try:
             if path.startswith("/cdn/"):
@@ -89,10 +89,16 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 self._dispatch(method, path)
         finally:
-            with self.hub.lock:
-                self.hub.requests.append(Request(method, path, self.headers.get("range"), self._sent,
-                                                 self.headers.get("authorization") == f"Bearer {self.hub.token}"
-                                                 if self.hub.token else True))
+            if not self._logged:  # no answer made it out
+                self._log(0)
+
+    def _log(self, sent: int) -> None:
+        """The request, in `requests` before its answer leaves: a client that has its answer finds it there."""
+        self._logged = True
+        method, path = self._asked
+        authorised = self.headers.get("authorization") == f"Bearer {self.hub.token}" if self.hub.token else True
+        with self.hub.lock:
+            self.hub.requests.append(Request(method, path, self.headers.get("range"), sent, authorised))
 
     def _dispatch(self, method: str, path: str) -> None:
         if method == "POST" and path == "/api/validate-yaml":
@@ -259,10 +265,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         for k, v in (headers or {}).items():
             self.send_header(k, v)
+        self._log(len(body) if self.command != "HEAD" else 0)
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
-            self._sent = len(body)
 
     def do_GET(self):
         self._route("GET")
