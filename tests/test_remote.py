@@ -164,6 +164,27 @@ def test_cache_evicts_least_recently_used_shards_under_its_limit(converted, tmp_
     assert loader.stats.fetched_bytes > sum(s.bytes for s in m.split("train").shards)  # it did evict and refetch
 
 
+def test_a_batch_read_before_its_shard_was_fetched_again_keeps_its_maps(converted, tmp_path):
+    """The thread that opens batches reads the next one (fetching, maybe evicting and fetching a shard again into a
+    new file) while other threads still decode the last: the last batch's samples are still read through the maps
+    they were read in."""
+    from fastpipe.loaders.shards import ShardSet
+    from fastpipe.loaders.threads import _own_shards
+
+    largest = max(s.bytes for s in load(converted).split("train").shards)
+    with FolderServer(converted) as url:
+        loader = make_loader(url, split="train", num_workers=2, threads=True, cache_dir=tmp_path / "c",
+                             cache_limit=largest + 8192, **KW)  # room for one shard
+        reader = _own_shards(loader.dataset).shards
+        first = np.arange(reader.starts[0], reader.starts[1])
+        got = reader.read(first[: len(first) // 2])
+        reader.read(np.arange(reader.starts[1], reader.starts[2]))  # evicts the first shard
+        reader.read(first[len(first) // 2 :])  # and fetches it again, into a new file
+        assert reader._views[0] is not got.views[0]
+    local = ShardSet(load(converted), "train").read(first[: len(first) // 2])
+    assert [bytes(x) for x in got.images] == [bytes(x) for x in local.images]
+
+
 def test_a_loader_thread_reads_its_batch_through_its_own_maps(converted, tmp_path, monkeypatch):
     """Worker threads share the node cache: another thread's fetch may evict a shard and fetch it again into a new
     file, without this thread's samples, while this thread reads a batch of it. Played in that order (the other

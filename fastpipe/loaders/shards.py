@@ -213,8 +213,8 @@ class ShardSet:
             if self._maps.get(s) is not m:  # the cached file was evicted and fetched again since
                 with self._mapping:
                     self._maps[s] = m
-                    if self._views[s] is not None:
-                        self._views[s] = None
+                    if self._views[s] is not None:  # a new list: a batch read before keeps the maps it was read in
+                        self._views = [None if j == s else v for j, v in enumerate(self._views)]
                         self._unmapped += 1
                     self._arrays.pop(s, None)
 
@@ -257,9 +257,7 @@ class ShardSet:
             self.fetch(ids)
         for s in np.unique(spans[:, 0]).tolist() if self._unmapped[0] else ():
             self._view(s, 0, 0)  # mapped (once), its bounds checked
-        # a store's: this batch's own list of maps, as a later fetch of this reader may replace a shard's
-        views = self._views if self.cache is None else list(self._views)
-        return RawBatch(self, ids, views, spans, self.labels(ids), time.perf_counter() - start)
+        return RawBatch(self, ids, self._views, spans, self.labels(ids), time.perf_counter() - start)
 
     def labels(self, ids: np.ndarray, shards: np.ndarray | None = None) -> np.ndarray:
         """The batch's labels (label_array's). Binary `.lbl` records (what the converter writes) are gathered from
